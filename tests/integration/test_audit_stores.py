@@ -31,6 +31,7 @@ from stockade.audit import (
     open_store,
     verify,
 )
+from stockade.audit.verify import verify_run
 from stockade.exceptions import AuditStoreError, ConfigurationError
 from tests.conftest import require
 
@@ -156,6 +157,24 @@ def test_an_honest_chain_verifies_and_reads_back(target: Target) -> None:
     assert [e.seq for e in events] == list(range(1, 11))
     assert all(b.prev_hash == a.hash for a, b in itertools.pairwise(events))
     assert [e.step for e in target.store.events(run_id="run-b")] == [5, 6, 7, 8, 9]
+
+
+def test_one_runs_check_reads_its_events_and_their_neighbours(target: Target) -> None:
+    """``verify_run``, as the run viewer calls it, over every store: the events around the
+    run's read by their seq (``rows_at``), a deletion next to the run's found."""
+    target.fill(events=20, key=KEY)  # run-a: seqs 1-10, run-b: 11-20
+    reader = target.reader()
+    try:
+        for store in (target.store, reader):
+            assert [r.seq for r in store.rows_at([0, 10, 12, 21, 12])] == [10, 12]
+            report = verify_run(store, "run-b", key=KEY)
+            assert report.ok and report.run_events == 10 and report.checked == 11
+        target.sql("DELETE FROM {events} WHERE seq = 10")
+        assert [(p.seq, p.kind) for p in verify_run(reader, "run-b", key=KEY).problems] == [
+            (10, ProblemKind.MISSING)
+        ]
+    finally:
+        reader.close()
 
 
 def window_seqs(

@@ -5,6 +5,7 @@
         log.record(EventKind.TOOL_CALL, run_id=run, step=3, actor="agent",
                    attributes={"tool": "run_code"})
     report = verify(store, key=key)                     # where and how the chain is broken
+    verify_run(store, run_id, key=key)                  # one run's events and links: reads ~the run
     report.raise_for_problems()
 
 Sandboxes are audited by wrapping them: ``AuditedBackend(backend, log, run_id=...)``.
@@ -15,7 +16,7 @@ from stockade.audit.log import AuditLog
 from stockade.audit.redact import Redactor, SecretValues, redact_tokens
 from stockade.audit.sandbox import AuditedBackend, AuditedInstance
 from stockade.audit.stores import AuditStore, Head, MemoryStore, Row, SQLiteStore, open_store
-from stockade.audit.verify import Problem, ProblemKind, VerifyReport, verify
+from stockade.audit.verify import Problem, ProblemKind, VerifyReport, verify, verify_run
 
 __all__ = [
     "GENESIS",
@@ -41,4 +42,5 @@ __all__ = [
     "open_store",
     "redact_tokens",
     "verify",
+    "verify_run",
 ]

@@ -258,6 +258,27 @@ class PostgresStore(AuditStore):
         ]
         return rows[::-1] if newest else rows
 
+    def rows_at(self, seqs: Collection[int]) -> list[Row]:
+        import psycopg
+
+        wanted = sorted({after(s) for s in seqs})
+        if not wanted:
+            return []
+        columns = "seq, run_id, kind, body, hash, step, timestamp_ns"
+        sql = f"SELECT {columns} FROM {self.ns}_events WHERE seq = ANY(%s) ORDER BY seq"
+        conn = self._connect()
+        try:
+            with conn.transaction():
+                found = conn.execute(sql.encode(), (wanted,)).fetchall()
+        except psycopg.Error as error:
+            raise exc.AuditStoreError(f"audit store {self._safe_url}: {error}") from error
+        finally:
+            conn.close()
+        return [
+            Row(int(str(q)), str(r), str(k), str(b), str(h), int(str(st)), int(str(t)))
+            for q, r, k, b, h, st, t in found
+        ]
+
     def run_key(self, run_id: str, subject: str) -> bytes:
         ns = self.ns
         self._writable()

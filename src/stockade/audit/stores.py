@@ -138,6 +138,18 @@ class AuditStore(abc.ABC):
                 break
         return list(kept)
 
+    def rows_at(self, seqs: Collection[int]) -> list[Row]:
+        """The stored events at these ``seq`` (those there are), in ``seq`` order: the
+        neighbours a run's check reads to see how its events link into the chain
+        (``verify_run``). The SQL stores read them by their key; this reads from each."""
+        found = []
+        for seq in sorted(set(seqs)):
+            for row in self.rows(after_seq=seq - 1):
+                if row.seq == seq:
+                    found.append(row)
+                break
+        return found
+
     # -- the keys of sealed runs (stockade.audit.sealing): kept apart from the chain, erasable --
 
     @abc.abstractmethod
@@ -262,6 +274,11 @@ class MemoryStore(AuditStore):
 
     def head(self) -> Head | None:
         return self._head
+
+    def rows_at(self, seqs: Collection[int]) -> list[Row]:
+        with self._lock:
+            stored = self._rows  # seq n is at n - 1: the list is only ever appended to
+            return [stored[s - 1] for s in sorted(set(seqs)) if 0 < s <= len(stored)]
 
 
 _ROW_COLUMNS = "seq, run_id, kind, body, hash, step, timestamp_ns"
@@ -502,6 +519,23 @@ class SQLiteStore(AuditStore):
             raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
         rows = [_row(raw) for raw in found]
         return rows[::-1] if newest else rows
+
+    def rows_at(self, seqs: Collection[int]) -> list[Row]:
+        wanted = sorted({after(s) for s in seqs})
+        found: list[tuple[object, ...]] = []
+        try:
+            for at in range(0, len(wanted), 500):  # a query's parameters are bounded
+                part = wanted[at : at + 500]
+                marks = ",".join("?" * len(part))
+                sql = f"SELECT {_ROW_COLUMNS} FROM {self.ns}_events WHERE seq IN ({marks})"
+                if self._reader is not None:
+                    found.extend(self._reader.query(sql, part))
+                else:
+                    with self._lock:
+                        found.extend(self._conn.execute(sql, part).fetchall())
+        except sqlite3.Error as error:
+            raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
+        return sorted((_row(raw) for raw in found), key=lambda row: row.seq)
 
     def run_key(self, run_id: str, subject: str) -> bytes:
         ns = self.ns

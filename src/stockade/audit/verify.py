@@ -94,6 +94,7 @@ __all__ = [
     "VerifyReport",
     "unrecorded_erasures",
     "verify",
+    "verify_run",
 ]
 
 # The end of a canonical body: sorted keys put these scalars last, after "attributes", so
@@ -331,16 +332,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     expected_seq = 1
     prev = GENESIS
     checked = run_events = edited = last_seq = 0
-    audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call event -> its seq
-    told: set[tuple[str, str, bool]] = set()  # (run, key, whether a resume's "outcome unknown") seen
-    ended: dict[str, int] = {}  # run -> the seq of its final run_end
-    started: set[tuple[str, str]] = set()  # (run, idempotency key) of each tool_call_start
-    # run -> idempotency key -> the last tool_call_start that nothing after it closed
-    open_calls: dict[str, dict[str, _Start]] = {}
-    sealed: dict[str, tuple[int, str]] = {}  # run -> its first intact sealed event (seq, body)
-    erased: dict[str, int] = {}  # run -> the seq of its run_erased event
-    recorded: dict[str, int] = {}  # run -> the seq of its first run_start a run store recorded
-    deleted: set[str] = set()  # runs whose erasure from the run store the trail records
+    book = _Book(run_id, ledger is not None)
     at_head: str | None = None  # the stored hash of the event the head record named
     for seq, run, kind, body, stored_hash, step, timestamp_ns in store.rows():
         checked += 1
@@ -348,26 +340,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             at_head = stored_hash
         if run == run_id:
             run_events += 1
-        if ledger is not None and kind == "note" and _attributes(body).get("action") == "delete":
-            deleted.add(run)  # a service's deletion (or `runs erase`'s of a run not sealed)
-            open_calls.pop(run, None)  # a call cut before it is not in flight: the run is gone
-        if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
-            if kind == "tool_call_start":
-                attributes = _attributes(body)
-                call_key = attributes.get("idempotency_key")
-                if isinstance(call_key, str):
-                    started.add((run, call_key))
-                    open_calls.setdefault(run, {})[call_key] = _Start(seq, step, str(attributes.get("tool")))
-            elif kind in _CLOSING:  # the run stopped, or was resumed: every call before is closed
-                open_calls.pop(run, None)
-                if kind == "run_start" and run not in recorded and _attributes(body).get(STORED) is True:
-                    recorded[run] = seq
-            else:
-                returned = _once(seq, run, kind, body, audited=audited, ended=ended, told=told, report=report)
-                if kind == "run_end":
-                    open_calls.pop(run, None)
-                elif returned and run in open_calls:
-                    open_calls[run].pop(returned, None)
+        book.note(seq, run, kind, body, step, report=report)
         try:
             signed = _signed_fields(body, strings)
             signed_run = signed.run_id
@@ -381,32 +354,15 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         elif seq < expected_seq:
             detail = f"seq {seq} comes after {expected_seq - 1}"
             report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
-        if signed.seq != seq:
-            detail = f"the row is seq {seq} but its signed body says {signed.seq} (moved or renumbered)"
-            report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
-        if signed.prev != prev:
-            detail = (
-                "prev_hash is not the hash of the event before: that event was edited, "
-                "or events were removed or inserted between them"
-            )
-            report(seq, ProblemKind.BROKEN_LINK, detail, run, signed_run)
-        if signed_run != run or signed.kind != kind:
-            detail = f"columns say {run!r}/{kind!r}, the signed body {signed_run!r}/{signed.kind!r}"
-            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run, signed_run)
-        if signed.step != step or signed.timestamp_ns != timestamp_ns:
-            detail = (
-                f"columns say step {step!r} at {timestamp_ns!r}, the signed body step {signed.step} "
-                f"at {signed.timestamp_ns}"
-            )
-            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run, signed_run)
+        for problem, detail in _mismatches(
+            seq, run, kind, signed, step=step, timestamp_ns=timestamp_ns, prev=prev
+        ):
+            report(seq, problem, detail, run, signed_run)
         if check_hashes and link(signed.prev, body.encode()) != stored_hash:
             edited += 1
             report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run, signed="")
-        elif run_id is None or run == run_id:
-            if kind == "run_erased":
-                erased[run] = seq
-            elif _SEALED_MARK in body and run not in sealed:
-                sealed[run] = (seq, body)
+        else:
+            book.intact(seq, run, kind, body)
         # Continue from what is stored, so that one tampered event is one finding, not a cascade.
         prev, expected_seq, last_seq = stored_hash, seq + 1, seq
 
@@ -429,59 +385,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     elif checked:
         report(0, ProblemKind.HEAD_FORGED, "events exist but the head record is empty")
 
-    if ledger is not None:
-        known: set[str] = set()
-        for call in ledger.ledger_calls(run_id):
-            known.add(call.run_id)
-            if audited.pop((call.run_id, call.idempotency_key), None) is None:
-                detail = (
-                    f"the run store's ledger has {call.tool} (step {call.step}, "
-                    f"{call.idempotency_key}) and the audit trail has no event of it"
-                )
-                report(0, ProblemKind.NOT_IN_TRAIL, detail, call.run_id)
-        for (run, event_key), seq in audited.items():
-            if run in known:
-                detail = f"a tool_call event ({event_key}) that the run store's ledger does not have"
-                report(seq, ProblemKind.NOT_IN_LEDGER, detail, run)
-        # By the trail, whatever the run store says: a call started and not closed, of a run
-        # no live process holds now, was cut (the store's rows can be edited or deleted).
-        cut = [run for run, calls in open_calls.items() if calls]
-        live = set(ledger.live_runs(cut)) if cut else set()
-        for run in cut:
-            if run in live:
-                continue
-            for call_key, start in open_calls[run].items():
-                detail = (
-                    f"the process running {run} stopped during {start.tool} (step {start.step}, "
-                    f"{call_key}) and nothing ended or resumed the run: the trail has its start "
-                    f"(seq {start.seq}), not what it did; resuming the run records its crash and the call"
-                )
-                report(start.seq, ProblemKind.IN_FLIGHT, detail, run)
-        for call in ledger.calls_in_flight(run_id):
-            if (call.run_id, call.idempotency_key) in started or call.run_id in ended:
-                continue  # the trail has its start (judged above), or the run's end
-            detail = (
-                f"the process running {call.run_id} died during {call.tool} (step {call.step}, "
-                f"{call.idempotency_key}): the trail has no event of it; resuming the run records "
-                "its crash and the call"
-            )
-            report(0, ProblemKind.IN_FLIGHT, detail, call.run_id)
-        for row in ledger.forged_rows(run_id):
-            report(0, ProblemKind.STORE_FORGED, f"run store: {row.detail}", row.run_id)
-        # A run the trail says a run store recorded, and no erasure of: its rows must be there
-        # (deleting every row of a run left nothing for the checks above to find).
-        kept = {run: seq for run, seq in recorded.items() if run not in deleted and run not in erased}
-        present = set(ledger.stored_runs(list(kept))) if kept else set()
-        for run, seq in kept.items():
-            if run not in present:
-                detail = (
-                    f"the run store has no row of run {run}, which the trail says it recorded "
-                    f"(run_start, seq {seq}), and the trail records no erasure of it"
-                )
-                report(seq, ProblemKind.NOT_IN_STORE, detail, run)
-
-    if sealed or erased:
-        _check_run_keys(store, sealed, erased, report)
+    book.finish(store, ledger, report)
 
     if expected_head is not None:
         pin_seq, pin_hash = (
@@ -502,6 +406,301 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         last_hash=prev,
         problems=tuple(problems),
         problems_elsewhere=elsewhere,
+        problems_truncated=truncated,
+        head=head,
+    )
+
+
+_Report = Callable[[int, ProblemKind, str, str], None]
+
+
+class _Book:
+    """What the chain's events say of runs, noted row by row and checked at the end against
+    the run store's ledger and the keys of sealed runs: the same for a whole chain (``verify``)
+    and for one run's events (``verify_run``), which are all the rows of that run it needs."""
+
+    def __init__(self, run_id: str | None, ledgered: bool) -> None:
+        self.run_id = run_id
+        self.ledgered = ledgered
+        self.audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call -> its seq
+        self.told: set[tuple[str, str, bool]] = set()  # (run, key, whether a resume's "outcome unknown")
+        self.ended: dict[str, int] = {}  # run -> the seq of its final run_end
+        self.started: set[tuple[str, str]] = set()  # (run, idempotency key) of each tool_call_start
+        # run -> idempotency key -> the last tool_call_start that nothing after it closed
+        self.open_calls: dict[str, dict[str, _Start]] = {}
+        self.sealed: dict[str, tuple[int, str]] = {}  # run -> its first intact sealed event (seq, body)
+        self.erased: dict[str, int] = {}  # run -> the seq of its run_erased event
+        self.recorded: dict[str, int] = {}  # run -> the seq of its first run_start a run store recorded
+        self.deleted: set[str] = set()  # runs whose erasure from the run store the trail records
+
+    def note(self, seq: int, run: str, kind: str, body: str, step: int, *, report: _Report) -> None:
+        """A row, whatever its state (by its columns: a row edited is reported besides)."""
+        if not self.ledgered:
+            return
+        open_calls = self.open_calls
+        if kind == "note" and _attributes(body).get("action") == "delete":
+            self.deleted.add(run)  # a service's deletion (or `runs erase`'s of a run not sealed)
+            open_calls.pop(run, None)  # a call cut before it is not in flight: the run is gone
+        if kind not in _KEYED or (self.run_id is not None and run != self.run_id):
+            return
+        if kind == "tool_call_start":
+            attributes = _attributes(body)
+            call_key = attributes.get("idempotency_key")
+            if isinstance(call_key, str):
+                self.started.add((run, call_key))
+                open_calls.setdefault(run, {})[call_key] = _Start(seq, step, str(attributes.get("tool")))
+        elif kind in _CLOSING:  # the run stopped, or was resumed: every call before is closed
+            open_calls.pop(run, None)
+            if kind == "run_start" and run not in self.recorded and _attributes(body).get(STORED) is True:
+                self.recorded[run] = seq
+        else:
+            returned = _once(
+                seq, run, kind, body, audited=self.audited, ended=self.ended, told=self.told, report=report
+            )
+            if kind == "run_end":
+                open_calls.pop(run, None)
+            elif returned and run in open_calls:
+                open_calls[run].pop(returned, None)
+
+    def intact(self, seq: int, run: str, kind: str, body: str) -> None:
+        """A row whose body matches its hash: what it says of its run's key can be relied on."""
+        if self.run_id is None or run == self.run_id:
+            if kind == "run_erased":
+                self.erased[run] = seq
+            elif _SEALED_MARK in body and run not in self.sealed:
+                self.sealed[run] = (seq, body)
+
+    def finish(self, store: AuditStore, ledger: Ledger | None, report: _Report) -> None:
+        if ledger is not None:
+            self._cross_check(ledger, report)
+        if self.sealed or self.erased:
+            _check_run_keys(store, self.sealed, self.erased, report)
+
+    def _cross_check(self, ledger: Ledger, report: _Report) -> None:
+        known: set[str] = set()
+        for call in ledger.ledger_calls(self.run_id):
+            known.add(call.run_id)
+            if self.audited.pop((call.run_id, call.idempotency_key), None) is None:
+                detail = (
+                    f"the run store's ledger has {call.tool} (step {call.step}, "
+                    f"{call.idempotency_key}) and the audit trail has no event of it"
+                )
+                report(0, ProblemKind.NOT_IN_TRAIL, detail, call.run_id)
+        for (run, event_key), seq in self.audited.items():
+            if run in known:
+                detail = f"a tool_call event ({event_key}) that the run store's ledger does not have"
+                report(seq, ProblemKind.NOT_IN_LEDGER, detail, run)
+        # By the trail, whatever the run store says: a call started and not closed, of a run
+        # no live process holds now, was cut (the store's rows can be edited or deleted).
+        cut = [run for run, calls in self.open_calls.items() if calls]
+        live = set(ledger.live_runs(cut)) if cut else set()
+        for run in cut:
+            if run in live:
+                continue
+            for call_key, start in self.open_calls[run].items():
+                detail = (
+                    f"the process running {run} stopped during {start.tool} (step {start.step}, "
+                    f"{call_key}) and nothing ended or resumed the run: the trail has its start "
+                    f"(seq {start.seq}), not what it did; resuming the run records its crash and the call"
+                )
+                report(start.seq, ProblemKind.IN_FLIGHT, detail, run)
+        for call in ledger.calls_in_flight(self.run_id):
+            if (call.run_id, call.idempotency_key) in self.started or call.run_id in self.ended:
+                continue  # the trail has its start (judged above), or the run's end
+            detail = (
+                f"the process running {call.run_id} died during {call.tool} (step {call.step}, "
+                f"{call.idempotency_key}): the trail has no event of it; resuming the run records "
+                "its crash and the call"
+            )
+            report(0, ProblemKind.IN_FLIGHT, detail, call.run_id)
+        for row in ledger.forged_rows(self.run_id):
+            report(0, ProblemKind.STORE_FORGED, f"run store: {row.detail}", row.run_id)
+        # A run the trail says a run store recorded, and no erasure of: its rows must be there
+        # (deleting every row of a run left nothing for the checks above to find).
+        kept = {
+            run: seq
+            for run, seq in self.recorded.items()
+            if run not in self.deleted and run not in self.erased
+        }
+        present = set(ledger.stored_runs(list(kept))) if kept else set()
+        for run, seq in kept.items():
+            if run not in present:
+                detail = (
+                    f"the run store has no row of run {run}, which the trail says it recorded "
+                    f"(run_start, seq {seq}), and the trail records no erasure of it"
+                )
+                report(seq, ProblemKind.NOT_IN_STORE, detail, run)
+
+
+_BROKEN = (
+    "prev_hash is not the hash of the event before: that event was edited, "
+    "or events were removed or inserted between them"
+)
+
+
+def _mismatches(
+    seq: int, run: str, kind: str, signed: _Signed, *, step: int, timestamp_ns: int, prev: str | None = None
+) -> list[tuple[ProblemKind, str]]:
+    """Where a row's columns differ from what its body signs; and, given the hash of the event
+    read before it (``prev``), whether its link does."""
+    found = []
+    if signed.seq != seq:
+        detail = f"the row is seq {seq} but its signed body says {signed.seq} (moved or renumbered)"
+        found.append((ProblemKind.OUT_OF_ORDER, detail))
+    if prev is not None and signed.prev != prev:
+        found.append((ProblemKind.BROKEN_LINK, _BROKEN))
+    if signed.run_id != run or signed.kind != kind:
+        detail = f"columns say {run!r}/{kind!r}, the signed body {signed.run_id!r}/{signed.kind!r}"
+        found.append((ProblemKind.COLUMN_MISMATCH, detail))
+    if signed.step != step or signed.timestamp_ns != timestamp_ns:
+        detail = (
+            f"columns say step {step!r} at {timestamp_ns!r}, the signed body step {signed.step} "
+            f"at {signed.timestamp_ns}"
+        )
+        found.append((ProblemKind.COLUMN_MISMATCH, detail))
+    return found
+
+
+def verify_run(  # noqa: C901 - the run's events, then the links and the head around them
+    store: AuditStore,
+    run_id: str,
+    *,
+    key: bytes | None = None,
+    ledger: Ledger | None = None,
+    max_problems: int = 1000,
+) -> VerifyReport:
+    """Check one run's events and how each is tied into the chain, reading in proportion to the
+    run, not to the trail: the run's rows (by the store's index of runs), the event on either
+    side of each of them, and the head. What the run viewer shows with a run.
+
+    Each event of the run is checked as ``verify`` checks it (its hash, its columns against
+    its signed body); so are both its links: its ``prev_hash`` is the hash of the event
+    stored before it (``seq - 1``) and the event after it names its hash, so an event of the
+    run edited, deleted next to one of the run's, or cut from its end is found, and an event
+    inserted or removed beside any of them breaks a link checked here. The head is checked as
+    ``verify`` checks it (its MAC; the event it names is there, with its hash; nothing past it),
+    and with ``ledger`` the run's tool calls are cross-checked with the run store's ledger, so
+    a tool call deleted from the trail is ``not_in_trail`` wherever it was.
+
+    What only ``verify`` (the whole chain) finds: an event of the run that is not a tool call
+    the ledger holds, deleted from between two events of other runs, renumbering whose gap
+    falls between other runs' events; an event moved to another run by its column (the
+    run's index no longer lists it); and anything done to other runs' events. Run ``stockade
+    audit verify`` (``GET /v1/audit/verify``) for those.
+    """
+    chain = Chain(key)
+    problems: list[Problem] = []
+    truncated = False
+    try:
+        head = store.head()
+    except exc.AuditIntegrityError as error:
+        head = None
+        problems.append(Problem(seq=0, kind=ProblemKind.HEAD_FORGED, detail=str(error)))
+
+    def report(seq: int, kind: ProblemKind, detail: str, run: str = "") -> None:
+        nonlocal truncated
+        if len(problems) < max_problems:
+            problems.append(Problem(seq=seq, kind=kind, detail=detail, run_id=run))
+        else:
+            truncated = True
+
+    algorithm = head.algorithm if head is not None else chain.algorithm
+    check_hashes = head is None or head.algorithm == chain.algorithm
+    if not check_hashes:
+        wanted = "a key (it is keyed)" if algorithm == "hmac-sha256" else "no key (it is not keyed)"
+        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}")
+
+    book = _Book(run_id, ledger is not None)
+    strings: dict[str, str] = {}
+    own: dict[int, tuple[str | None, str]] = {}  # seq -> (signed prev_hash, stored hash) of the run's
+    edited = 0
+    for seq, run, kind, body, stored_hash, step, timestamp_ns in store.rows(run_id=run_id):
+        book.note(seq, run, kind, body, step, report=report)
+        try:
+            signed = _signed_fields(body, strings)
+        except ValueError:
+            report(seq, ProblemKind.UNREADABLE, "the body is not an audit event", run)
+            own[seq] = (None, stored_hash)
+            continue
+        own[seq] = (signed.prev, stored_hash)
+        for problem, detail in _mismatches(seq, run, kind, signed, step=step, timestamp_ns=timestamp_ns):
+            report(seq, problem, detail, run)
+        if check_hashes and chain.link(signed.prev, body.encode()) != stored_hash:
+            edited += 1
+            report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run)
+        else:
+            book.intact(seq, run, kind, body)
+    if chain.keyed and check_hashes and own and edited == len(own):
+        problems[:] = [p for p in problems if p.kind is not ProblemKind.EDITED]
+        problems.insert(0, Problem(seq=0, kind=ProblemKind.WRONG_KEY, detail="no event matches this key"))
+
+    # The events on either side of the run's, and the one the head names (and the one after it).
+    last = head.seq if head is not None else 0
+    near = {s - 1 for s in own if s > 1} | {s + 1 for s in own}
+    if head is not None:
+        near |= {head.seq, head.seq + 1}
+    around = {row.seq: row for row in store.rows_at(near - own.keys())}
+
+    def hash_at(seq: int) -> str | None:
+        if seq in own:
+            return own[seq][1]
+        return around[seq].hash if seq in around else None
+
+    for seq, (prev, stored_hash) in own.items():
+        if prev is not None:
+            before = GENESIS if seq == 1 else hash_at(seq - 1)
+            if before is None:
+                report(
+                    seq - 1, ProblemKind.MISSING, f"event {seq - 1}, before this run's, is missing (deleted)"
+                )
+            elif before != prev:
+                report(seq, ProblemKind.BROKEN_LINK, _BROKEN, run_id)
+        if seq + 1 in own:
+            continue  # its link back is checked as the run's own
+        following = around.get(seq + 1)
+        if following is None:
+            if seq < last:
+                detail = f"event {seq + 1}, after this run's, is missing (deleted)"
+                report(seq + 1, ProblemKind.MISSING, detail)
+            continue
+        try:
+            linked = _signed_fields(following.body, strings).prev == stored_hash
+        except ValueError:
+            linked = False
+        if not linked:
+            detail = (
+                f"the event after this run's event {seq} does not name its hash: this run's event "
+                "was edited, or events were removed or inserted after it"
+            )
+            report(seq + 1, ProblemKind.BROKEN_LINK, detail, run_id)
+
+    if head is not None:
+        at = hash_at(head.seq)
+        reached = max([*own, *around], default=0)
+        if at is None:
+            detail = (
+                f"the head record says the chain reaches seq {head.seq}, and there is no event {head.seq}"
+            )
+            report(head.seq, ProblemKind.TRUNCATED, detail)
+        elif at != head.hash or (reached > head.seq and not _head_covers(store, reached)):
+            detail = f"the head record (seq {head.seq}) does not match the chain's event there"
+            report(head.seq, ProblemKind.HEAD_FORGED, detail)
+        if check_hashes and not chain.head_verifies(head.seq, head.hash, store.ns, head.mac):
+            detail = "the head record's MAC is wrong (edited, or the chain copied from another namespace)"
+            report(head.seq, ProblemKind.HEAD_FORGED, detail)
+    elif own or around:
+        report(0, ProblemKind.HEAD_FORGED, "events exist but the head record is empty")
+
+    book.finish(store, ledger, report)
+    return VerifyReport(
+        store=store.url,
+        run_id=run_id,
+        algorithm=algorithm,
+        checked=len(own) + len(around),
+        run_events=len(own),
+        last_seq=last,
+        last_hash=head.hash if head is not None else GENESIS,
+        problems=tuple(problems),
         problems_truncated=truncated,
         head=head,
     )

@@ -591,13 +591,16 @@ async def verify_audit(request: Request, caller: Caller) -> dict[str, Any]:
     service = get_service(request)
 
     def work() -> dict[str, Any]:
-        log = service.audit.get(caller.tenant)
-        log.flush()
-        # Its runs' ledger too (a tool call in one and not the other is a problem): the runs
-        # that ended, whose calls and events are all written.
-        ledger = RunsLedger(service.run_store, service.store.run_ids(caller.tenant.id, ended=True))
-        report = verify(log.store, key=service.config.audit_key, ledger=ledger)
-        return {"ok": report.ok, "checked": report.checked, "summary": report.summary()}
+        # It reads every event of the trail: one at a time per tenant (a second is a 429), so
+        # a tenant asking many at once does not take every core from the others.
+        with service.trail_checks.hold(caller.tenant.id, who=f"tenant {caller.tenant.id}"):
+            log = service.audit.get(caller.tenant)
+            log.flush()
+            # Its runs' ledger too (a tool call in one and not the other is a problem): the runs
+            # that ended, whose calls and events are all written.
+            ledger = RunsLedger(service.run_store, service.store.run_ids(caller.tenant.id, ended=True))
+            report = verify(log.store, key=service.config.audit_key, ledger=ledger)
+            return {"ok": report.ok, "checked": report.checked, "summary": report.summary()}
 
     found: dict[str, Any] = await _blocking(work)
     return found

@@ -12,6 +12,7 @@ from stockade.sandbox import _registry
 from stockade.sandbox.base import Backend
 from stockade.server import scratch
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, check_tenants
+from stockade.server.exclusive import OnePerKey
 from stockade.server.executor import Executor, InProcessExecutor
 from stockade.server.retention import Retention
 from stockade.server.runner import Runner
@@ -40,6 +41,7 @@ class Service:
     ) -> None:
         check_tenants(config.tenants.current())
         self.streams = StreamSlots(config.max_streams)  # event streams open, per tenant
+        self.trail_checks = OnePerKey("a verification of its whole audit trail")  # per tenant
         self.config = config
         self.run_store = RunStore(open_database(config.database), namespace="runs", key=config.audit_key)
         self.store = ServiceStore(open_database(config.database), runs=self.run_store.ns)

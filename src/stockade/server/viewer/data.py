@@ -23,7 +23,7 @@ from stockade import exceptions as exc
 from stockade.agent.state import RunState, RunStatus, ToolCallRecord
 from stockade.audit.events import AuditEvent, EventKind
 from stockade.audit.stores import AuditStore, Row, open_store
-from stockade.audit.verify import verify
+from stockade.audit.verify import verify_run
 from stockade.policy.approval import ApprovalStore, Choice
 from stockade.runs.store import RunStore, RunSummary, open_run_store
 
@@ -470,8 +470,11 @@ def _records(
 
 
 def _verification(store: AuditStore, run_id: str, key: bytes | None, runs: RunStore) -> Verification:
+    """The run's events and their links into the chain, read in proportion to the run: a page
+    of a 3-event run on a tenant trail of 500,000 events read them all (~5 s, at every open
+    and every refresh of a settled run). The whole trail is ``stockade audit verify``'s."""
     try:
-        report = verify(store, run_id=run_id, key=key, ledger=runs)
+        report = verify_run(store, run_id, key=key, ledger=runs)
     except exc.StockadeError as error:
         return Verification(ok=False, summary=f"cannot verify: {error}")
     if not report.found:

@@ -458,8 +458,8 @@ class _Viewer:
         after: Annotated[int | None, Query(ge=0, le=MAX_SEQ)] = None,
     ) -> Response:
         window = Window(after=after) if after is not None else Window(before=before)
-        # the chain is verified on the run's own page: a check of every event of the run (what
-        # a verification is), not paid again for each earlier page a reader goes through
+        # the run's events are verified on its own page (each one, and its links into the
+        # chain: ``verify_run``, bounded by the run, not the trail), not again on earlier pages
         got = await self.view(request, run_id, verified=window == LATEST, window=window)
         if isinstance(got, Response):
             return got
