@@ -13,7 +13,16 @@ from stockade.sandbox import _registry
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import AsyncBackend, Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.types import ExecRecord, Limits, NetworkPolicy, SandboxRules, Snapshot, SnapshotKind, Trust
+from stockade.types import (
+    ExecRecord,
+    Limits,
+    NetworkPolicy,
+    ReadOnly,
+    SandboxRules,
+    Snapshot,
+    SnapshotKind,
+    Trust,
+)
 
 __all__ = ["check_backend", "check_store", "choose_tier", "from_snapshot", "rules_changed", "sandbox_spec"]
 
@@ -163,8 +172,15 @@ def rules_changed(kept: SandboxRules | None, asked: SandboxRules | None) -> list
     return [
         f"{field.name} {getattr(now, field.name)!r}, not {getattr(then, field.name)!r}"
         for field in dataclasses.fields(SandboxRules)
-        if getattr(now, field.name) != getattr(then, field.name)
+        if _enforced(getattr(now, field.name)) != _enforced(getattr(then, field.name))
     ]
+
+
+def _enforced(rules: tuple[str | ReadOnly, ...]) -> frozenset[object]:
+    """One field of ``SandboxRules`` as a sandbox enforces it: a set. A command matches if any
+    pattern does, a path if any glob does, whatever their order or repeats (a policy that only
+    reordered its ``commands.deny`` made every paused memory sandbox incompatible)."""
+    return frozenset((frozenset(r.paths), r.setting) if isinstance(r, ReadOnly) else r for r in rules)
 
 
 def choose_tier(

@@ -27,6 +27,7 @@ from stockade import (
     SnapshotStore,
 )
 from stockade.egress.secrets import EnvSecret
+from stockade.sandbox._startup import rules_changed
 from stockade.sandbox._supervised import (
     enforcement_from_state,
     enforcement_state,
@@ -43,6 +44,7 @@ from stockade.types import (
     Limits,
     Mechanism,
     NetworkPolicy,
+    ReadOnly,
     SandboxRules,
 )
 
@@ -539,3 +541,33 @@ def test_a_memory_snapshot_refuses_other_rules_and_reports_its_own(tmp_path: Pat
     # its files alone come back under any rules
     with Sandbox.create(backend=backend, snapshot=files, store=store, rules=strict) as fresh:
         assert fresh.rules == strict
+
+
+def test_a_memory_snapshot_comes_back_under_its_rules_in_another_order(tmp_path: Path) -> None:
+    """Rules are sets: a command is judged by any pattern that matches, a path by any glob.
+    A policy that only reordered (or repeated) its ``commands.deny`` or ``paths.deny`` made
+    every paused memory sandbox incompatible; it comes back, under the rules it kept."""
+    store = SnapshotStore(tmp_path / "snaps")
+    backend = FakeBackend(tier="microvm")
+    taken = SandboxRules(deny=("curl", "wget"), approve=("rm -r", "git push"), hide=("secrets/**", ".env"))
+    with Sandbox.create(backend=backend, rules=taken) as sbx:
+        files = sbx.snapshot(store=store)
+    kept = store.load(files)
+    memory = store.save(
+        kind=SnapshotKind.MEMORY, tier="microvm", source=files.source, spec=kept.spec, blobs=kept.blobs
+    )
+    reordered = SandboxRules(
+        deny=("wget", "curl", "curl"), approve=("git push", "rm -r"), hide=(".env", "./secrets/**")
+    )
+    with Sandbox.create(backend=backend, snapshot=memory, store=store, rules=reordered) as back:
+        assert back.rules == taken
+    with pytest.raises(SnapshotIncompatible, match=r"deny \('wget',\), not \('curl', 'wget'\)"):
+        Sandbox.create(backend=backend, snapshot=memory, store=store, rules=SandboxRules(deny=("wget",)))
+
+    # a data class read but not written: its globs, and the classes, in any order
+    a, b = ReadOnly(paths=("records/**", "notes/**"), setting="restricted"), ReadOnly(paths=("keys/**",))
+    assert rules_changed(SandboxRules(read_only=(a, b)), SandboxRules(read_only=(b, a))) == []
+    swapped = ReadOnly(paths=("notes/**", "records/**"), setting="restricted")
+    assert rules_changed(SandboxRules(read_only=(a,)), SandboxRules(read_only=(swapped,))) == []
+    other = ReadOnly(paths=("records/**", "notes/**"), setting="secret")
+    assert rules_changed(SandboxRules(read_only=(a,)), SandboxRules(read_only=(other,))) != []
