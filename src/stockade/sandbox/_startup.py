@@ -24,7 +24,15 @@ from stockade.types import (
     Trust,
 )
 
-__all__ = ["check_backend", "check_store", "choose_tier", "from_snapshot", "rules_changed", "sandbox_spec"]
+__all__ = [
+    "check_backend",
+    "check_store",
+    "choose_tier",
+    "from_snapshot",
+    "rules_changed",
+    "sandbox_spec",
+    "store_of",
+]
 
 
 def sandbox_spec(
@@ -104,6 +112,18 @@ def check_backend(backend: object, *, asynchronous: bool = False) -> None:
     )
 
 
+def store_of(snapshot: Snapshot | str, store: SnapshotStore | None) -> SnapshotStore:
+    """The store a sandbox starting from ``snapshot`` reads: ``store``, else a ``Snapshot``'s
+    own, else the default one."""
+    if not isinstance(snapshot, Snapshot | str):
+        raise exc.InvalidArgument(
+            f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
+        )
+    if store is not None or not isinstance(snapshot, Snapshot):
+        return check_store(store)
+    return SnapshotStore(Path(snapshot.store))
+
+
 def from_snapshot(
     snapshot: Snapshot | str,
     store: SnapshotStore | None,
@@ -119,14 +139,7 @@ def from_snapshot(
     confinement are the snapshot's: restored, they would enforce the old rules while the
     sandbox reported the new), and restores on another tier only its files, if it has them.
     """
-    if not isinstance(snapshot, Snapshot | str):
-        raise exc.InvalidArgument(
-            f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
-        )
-    if store is not None or not isinstance(snapshot, Snapshot):
-        chosen = check_store(store)
-    else:
-        chosen = SnapshotStore(Path(snapshot.store))
+    chosen = store_of(snapshot, store)
     manifest = chosen.load(snapshot)
     value = manifest.snapshot
     kept = spec_from_state(manifest.spec)

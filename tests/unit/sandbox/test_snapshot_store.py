@@ -35,7 +35,8 @@ from stockade.sandbox._supervised import (
     spec_state,
 )
 from stockade.sandbox.base import SandboxSpec
-from stockade.testing import FakeBackend
+from stockade.sandbox.ops import PutArchive
+from stockade.testing import FakeBackend, FakeInstance
 from stockade.types import (
     Credential,
     Enforcement,
@@ -427,6 +428,64 @@ def test_a_discard_during_a_resume_leaves_the_objects_it_reads(tmp_path: Path) -
     with store.claim("paused", "sbx-0123456789ab"):
         store.discard(paused)  # deleted meanwhile, by its tenant
         assert memory.exists()  # the resume reads on
+
+
+class DeletedWhileRestoring(FakeBackend):
+    """A restore that has read its snapshot's manifest when another request deletes the
+    snapshot (``DELETE /v1/snapshots/S``), and reads its objects after."""
+
+    def start(self, spec: SandboxSpec) -> FakeInstance:
+        assert spec.snapshot is not None
+        store = SnapshotStore(Path(spec.snapshot.store))
+        blobs = store.load(spec.snapshot).blobs
+        store.discard(spec.snapshot)
+        instance = super().start(dataclasses.replace(spec, snapshot=None))
+        instance.handler(PutArchive(data=store.check_object(blobs["workspace"]).read_bytes()))
+        return instance
+
+
+def test_a_snapshot_deleted_while_it_is_restored_comes_back_whole_and_then_goes(tmp_path: Path) -> None:
+    """Its objects were removed under the restore, which failed ``SnapshotCorrupt`` ("object
+    ... is missing": found from outside, a DELETE 0.3 s into a create). A restore reading
+    them keeps them; the snapshot is gone at once, its bytes once the restore ends."""
+    store = SnapshotStore(tmp_path / "snaps")
+    with Sandbox.create(backend=FakeBackend()) as sbx:
+        sbx.files.write("data.txt", "kept")
+        taken = sbx.snapshot(store=store)
+    with Sandbox.create(backend=DeletedWhileRestoring(), snapshot=taken, store=store) as back:
+        assert back.files.read("data.txt") == "kept"
+    with pytest.raises(SnapshotNotFound):
+        store.load(taken)
+    assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
+
+
+def test_a_restore_keeps_the_objects_it_reads_from_discard_and_collection(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    sid = _snapshot(store, b"being restored")
+    shared = _snapshot(store, b"shared by two")
+    digest = store.load(sid).blobs["workspace"]
+    _age(tmp_path, 3600)
+    with store.reading(sid) as manifest, store.reading(sid):  # two restores of one snapshot
+        assert manifest.blobs == {"workspace": digest}
+        store.discard(sid)
+        store.collect(grace_s=0)  # `stockade gc` meanwhile
+        store.check_object(digest)  # both read on
+        with pytest.raises(SnapshotNotFound):  # a later one finds none
+            store.load(sid)
+    assert not store.object_path(digest).exists()  # gone with the last
+    with store.reading(shared):  # a snapshot not deleted keeps everything
+        pass
+    store.verify(shared)
+    with pytest.raises(SnapshotNotFound), store.reading(sid):
+        pass
+
+    # the mark of a restore whose process died keeps nothing
+    other = _snapshot(store, b"its reader died")
+    dead = store.load(other).blobs["workspace"]
+    (tmp_path / "reading" / f"{other}-{2**22 + 7}-0123456789ab").write_text(json.dumps([dead]))
+    store.discard(other)
+    assert not store.object_path(dead).exists()
+    assert not list((tmp_path / "reading").iterdir())
 
 
 def test_a_collection_spares_a_stamp_being_written(tmp_path: Path) -> None:
