@@ -392,3 +392,14 @@ async def test_a_memory_snapshot_whose_hosts_the_policy_narrowed_since_is_refuse
         pass
     async with await AsyncRemoteSandbox.resume(sbx.id, client=again):
         pass
+
+    # on another tier its memory stays behind: its files come back with the network as it is now
+    kept = store.load(memory)
+    elsewhere = store.save(
+        kind=SnapshotKind.MEMORY, tier="microvm", source=kept.snapshot.source, spec=kept.spec,
+        blobs=kept.blobs, ref=("kept", ""),
+    ).id  # fmt: skip
+    client = services.client(services.start(tenants(["GET"]), tmp_path / "snaps"), token)
+    async with await AsyncRemoteSandbox.create("process", client=client, snapshot=elsewhere):
+        started = services.backend.specs[-1].network
+        assert [rule.methods for rule in started.host_rules] == [("GET",)]
