@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from stockade import (
+    AsyncSandbox,
     InvalidArgument,
     Sandbox,
     SnapshotCorrupt,
@@ -456,6 +457,18 @@ def test_a_snapshot_deleted_while_it_is_restored_comes_back_whole_and_then_goes(
         assert back.files.read("data.txt") == "kept"
     with pytest.raises(SnapshotNotFound):
         store.load(taken)
+    assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
+
+
+async def test_an_async_restore_keeps_them_too(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps")
+    async with await AsyncSandbox.create(backend=FakeBackend()) as sbx:
+        await sbx.files.write("data.txt", "kept")
+        taken = await sbx.snapshot(store=store)
+    async with await AsyncSandbox.create(
+        backend=DeletedWhileRestoring(), snapshot=taken, store=store
+    ) as back:
+        assert await back.files.read("data.txt") == "kept"
     assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
 
 
