@@ -254,8 +254,16 @@ def test_a_run_its_events_and_its_approvals_are_the_roles_that_submitted_it(acme
             assert page.get(f"/ui/runs/{run.id}/events").text == "event: end\ndata: {}\n\n"  # as for no run
             assert run.id not in page.get("/ui/").text
             assert run.id in theirs.get("/ui/").text and theirs.get(f"/ui/runs/{run.id}").status_code == 200
-        with pytest.raises(exc.RunConflict):  # the key is taken: never an answer with another role's run
-            dev.runs.submit("tidy the records", scripted=[step, "tidied"], idempotency_key="tidy")
+        # the key is each role's: dev's submit with admin's key makes dev's own run, neither
+        # refused with a 409 naming admin's run (as it was) nor answered with it
+        mine = dev.runs.submit("tidy", scripted=["nothing to tidy"], idempotency_key="tidy")
+        assert mine.id != run.id
+        assert dev.runs.submit("tidy", scripted=["nothing to tidy"], idempotency_key="tidy").id == mine.id
+        assert mine.wait().status == "success"
+        same = admin.runs.submit("tidy the records", scripted=[step, "tidied"], idempotency_key="tidy")
+        assert same.id == run.id
+        with pytest.raises(exc.RunConflict, match=mine.id):  # a different request: its own run named
+            dev.runs.submit("tidy the rest", scripted=["nothing"], idempotency_key="tidy")
         assert run.refresh().status == "paused"  # neither decided nor killed by dev
 
         # the role's other token: listed, decided, and the run goes on

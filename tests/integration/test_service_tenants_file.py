@@ -10,7 +10,7 @@ import re
 import signal
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,6 +46,28 @@ def without_tenant_tokens(text: str, tenant: str) -> str:
     """The file's text with the ``[[tokens]]`` records of ``tenant`` taken out."""
     records = re.split(r"\n(?=\[\[tokens\]\])", text)
     return "\n".join(r for r in records if f'tenant = "{tenant}"' not in r)
+
+
+def with_tenant_role(text: str, tenant: str, role: str) -> str:
+    """The file's text with the ``[[tokens]]`` records of ``tenant`` given ``role``."""
+    records = re.split(r"\n(?=\[\[tokens\]\])", text)
+    changed = [re.sub(r'role = "[^"]*"', f'role = "{role}"', r) if f'tenant = "{tenant}"' in r else r
+               for r in records]  # fmt: skip
+    assert changed != records
+    return "\n".join(changed)
+
+
+# What ends a token's standing: the token taken out, or its role changed (dev to viewer: a
+# role's sandboxes, runs and data classes are its own; a stream opened as dev read on as
+# dev, 15 s after, and its final result line carried the whole output: found from outside),
+# with what the SDK raises for a stream so cut.
+CHANGES: dict[str, tuple[Callable[[str], str], str]] = {
+    "taken out": (lambda text: without_tenant_tokens(text, "other"), "not one this service knows"),
+    "role changed": (
+        lambda text: with_tenant_role(text, "other", "viewer"),
+        "no longer stands for tenant 'other' under role 'dev'",
+    ),
+}
 
 
 def signed_in(server: Server, token: str) -> httpx2.Client:
@@ -87,10 +109,14 @@ def events(stream: httpx2.Response) -> list[tuple[str, str]]:
     return found
 
 
-def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tokens, Path]) -> None:
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_token_taken_out_or_given_another_role_ends_the_streams_it_opened(
+    service: tuple[Server, Tokens, Path], change: str
+) -> None:
     require_tier("process")
     server, tokens, tenants = service
     good = tenants.read_text()
+    changed, message = CHANGES[change]
     auth = {"Authorization": f"Bearer {tokens.other}"}
     sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
     with (
@@ -107,7 +133,7 @@ def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tok
             assert through_api.status_code == 200 and through_ui.status_code == 200
             watched = sdk.runs.get(run_id).events()
             assert next(watched).kind  # the SDK's stream is open too
-            tenants.write_text(without_tenant_tokens(good, "other"))
+            tenants.write_text(changed(good))
             started = time.monotonic()
             sent, shown = events(through_api), events(through_ui)
             took = time.monotonic() - started
@@ -119,25 +145,28 @@ def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tok
         assert ("status", json.dumps({"run_id": run_id, "status": "running"})) in sent  # it was open, reading
         kind, data = shown[-1]
         assert kind == "end" and json.loads(data)["signed_out"] is True, shown
-        with pytest.raises(exc.AuthenticationError, match="not one this service knows"):
+        with pytest.raises(exc.AuthenticationError, match=message):
             list(watched)  # the SDK raises what the cut stream says, not a quiet end
 
         tenants.write_text(good)  # back, to stop the run
-        wait_for(lambda: status(server, tokens.other) == 200, what="the token back", timeout_s=FOLLOWED_S)
+        wait_for(lambda: api.get(f"/v1/runs/{run_id}").status_code == 200, what="the token back",
+                 timeout_s=FOLLOWED_S)  # fmt: skip
         assert api.post(f"/v1/runs/{run_id}/kill", json={"reason": "done"}).status_code == 200
         wait_for(lambda: api.get(f"/v1/runs/{run_id}").json()["status"] == "killed", what="the run killed",
                  timeout_s=30, interval_s=0.1)  # fmt: skip
 
 
-def test_a_token_taken_out_ends_its_streamed_commands_and_gets_no_late_result(
-    service: tuple[Server, Tokens, Path],
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_token_taken_out_or_given_another_role_ends_its_streamed_commands_and_gets_no_late_result(
+    service: tuple[Server, Tokens, Path], change: str
 ) -> None:
-    """A command's output streamed to a token reads no further once the token is taken out,
-    printing or silent; a call that was running gets a 401, not its result. The sandboxes
-    are the tenant's: back with the token, they still work."""
+    """A command's output streamed to a token reads no further once the token is taken out
+    or given another role, printing or silent; a call that was running gets a 401, not its
+    result. The sandboxes are the tenant's role's: back with the token, they still work."""
     require_tier("process")
     server, tokens, tenants = service
     good = tenants.read_text()
+    changed, message = CHANGES[change]
     auth = {"Authorization": f"Bearer {tokens.other}"}
     with httpx2.Client(base_url=server.url, timeout=30, headers=auth) as api, ThreadPoolExecutor(1) as pool:
         ids = []
@@ -157,7 +186,7 @@ def test_a_token_taken_out_ends_its_streamed_commands_and_gets_no_late_result(
             lines = out.iter_lines()
             first = json.loads(next(lines))
             assert first["type"] == "stdout", first  # open, and reading
-            tenants.write_text(without_tenant_tokens(good, "other"))
+            tenants.write_text(changed(good))
             started = time.monotonic()
             printed = [json.loads(line) for line in lines]
             said = [json.loads(line) for line in quiet.iter_lines()]
@@ -166,12 +195,15 @@ def test_a_token_taken_out_ends_its_streamed_commands_and_gets_no_late_result(
         for stream in (printed, said):
             assert stream[-1]["type"] == "error", stream[-3:]
             assert stream[-1]["problem"]["error"] == "AuthenticationError", stream[-1]
+            assert message in stream[-1]["problem"]["detail"], stream[-1]
+            assert not any(said["type"] == "result" for said in stream), stream[-3:]
         assert len(printed) < 100, len(printed)  # not the 600 lines of its whole minute
         refused = late.result(timeout=60)
         assert refused.status_code == 401 and "stdout" not in refused.text, refused.text
 
         tenants.write_text(good)
-        wait_for(lambda: status(server, tokens.other) == 200, what="the token back", timeout_s=FOLLOWED_S)
+        wait_for(lambda: api.get(f"/v1/sandboxes/{ids[2]}").status_code == 200, what="the token back",
+                 timeout_s=FOLLOWED_S)  # fmt: skip
         again = api.post(f"/v1/sandboxes/{ids[2]}/commands", json={"cmd": "echo still", "timeout_s": 60})
         assert again.status_code == 200 and again.json()["stdout"] == "still\n", again.text
         for sid in ids:  # the two cut calls run on in theirs: closing ends them

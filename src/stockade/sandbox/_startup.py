@@ -13,9 +13,26 @@ from stockade.sandbox import _registry
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import AsyncBackend, Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.types import ExecRecord, Limits, NetworkPolicy, SandboxRules, Snapshot, SnapshotKind, Trust
+from stockade.types import (
+    ExecRecord,
+    Limits,
+    NetworkPolicy,
+    ReadOnly,
+    SandboxRules,
+    Snapshot,
+    SnapshotKind,
+    Trust,
+)
 
-__all__ = ["check_backend", "check_store", "choose_tier", "from_snapshot", "rules_changed", "sandbox_spec"]
+__all__ = [
+    "check_backend",
+    "check_store",
+    "choose_tier",
+    "from_snapshot",
+    "rules_changed",
+    "sandbox_spec",
+    "store_of",
+]
 
 
 def sandbox_spec(
@@ -95,6 +112,18 @@ def check_backend(backend: object, *, asynchronous: bool = False) -> None:
     )
 
 
+def store_of(snapshot: Snapshot | str, store: SnapshotStore | None) -> SnapshotStore:
+    """The store a sandbox starting from ``snapshot`` reads: ``store``, else a ``Snapshot``'s
+    own, else the default one."""
+    if not isinstance(snapshot, Snapshot | str):
+        raise exc.InvalidArgument(
+            f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
+        )
+    if store is not None or not isinstance(snapshot, Snapshot):
+        return check_store(store)
+    return SnapshotStore(Path(snapshot.store))
+
+
 def from_snapshot(
     snapshot: Snapshot | str,
     store: SnapshotStore | None,
@@ -110,14 +139,7 @@ def from_snapshot(
     confinement are the snapshot's: restored, they would enforce the old rules while the
     sandbox reported the new), and restores on another tier only its files, if it has them.
     """
-    if not isinstance(snapshot, Snapshot | str):
-        raise exc.InvalidArgument(
-            f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
-        )
-    if store is not None or not isinstance(snapshot, Snapshot):
-        chosen = check_store(store)
-    else:
-        chosen = SnapshotStore(Path(snapshot.store))
+    chosen = store_of(snapshot, store)
     manifest = chosen.load(snapshot)
     value = manifest.snapshot
     kept = spec_from_state(manifest.spec)
@@ -163,8 +185,15 @@ def rules_changed(kept: SandboxRules | None, asked: SandboxRules | None) -> list
     return [
         f"{field.name} {getattr(now, field.name)!r}, not {getattr(then, field.name)!r}"
         for field in dataclasses.fields(SandboxRules)
-        if getattr(now, field.name) != getattr(then, field.name)
+        if _enforced(getattr(now, field.name)) != _enforced(getattr(then, field.name))
     ]
+
+
+def _enforced(rules: tuple[str | ReadOnly, ...]) -> frozenset[object]:
+    """One field of ``SandboxRules`` as a sandbox enforces it: a set. A command matches if any
+    pattern does, a path if any glob does, whatever their order or repeats (a policy that only
+    reordered its ``commands.deny`` made every paused memory sandbox incompatible)."""
+    return frozenset((frozenset(r.paths), r.setting) if isinstance(r, ReadOnly) else r for r in rules)
 
 
 def choose_tier(

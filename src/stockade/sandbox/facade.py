@@ -8,6 +8,7 @@ with (from a snapshot too).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,7 +23,14 @@ from stockade.sandbox._requests import TextCallback, as_execution, code_op, text
 # Kept importable from here, where the client and the tests have always found them.
 from stockade.sandbox._requests import check_path as check_path  # noqa: PLC0414
 from stockade.sandbox._requests import tar_directory as tar_directory  # noqa: PLC0414
-from stockade.sandbox._startup import check_backend, check_store, choose_tier, from_snapshot, sandbox_spec
+from stockade.sandbox._startup import (
+    check_backend,
+    check_store,
+    choose_tier,
+    from_snapshot,
+    sandbox_spec,
+    store_of,
+)
 from stockade.sandbox.base import (
     AsyncBackend,
     AsyncInstance,
@@ -92,11 +100,14 @@ class Sandbox:
         check_backend(backend)
         if workspace is not None:  # checked before a sandbox starts, not after
             check_host_folder(workspace, argument="workspace")
-        if snapshot is not None:
-            given = {"limits": limits, "network": network, "envs": envs}
-            tier, spec = from_snapshot(snapshot, store, tier, spec, given)
-        chosen = backend or _registry.backend(choose_tier(tier, trust, prefer))
-        instance = chosen.start(spec)
+        with contextlib.ExitStack() as reading:
+            if snapshot is not None:
+                # its objects stay while they are restored, even if it is deleted meanwhile
+                reading.enter_context(store_of(snapshot, store).reading(snapshot))
+                given = {"limits": limits, "network": network, "envs": envs}
+                tier, spec = from_snapshot(snapshot, store, tier, spec, given)
+            chosen = backend or _registry.backend(choose_tier(tier, trust, prefer))
+            instance = chosen.start(spec)
         sbx = cls(instance)
         if workspace is not None:
             try:
@@ -251,14 +262,21 @@ class AsyncSandbox:
         check_backend(backend, asynchronous=True)
         if workspace is not None:  # checked before a sandbox starts, not after
             check_host_folder(workspace, argument="workspace")
-        if snapshot is not None:
-            given = {"limits": limits, "network": network, "envs": envs}
-            tier, spec = await asyncio.to_thread(from_snapshot, snapshot, store, tier, spec, given)
-        if backend is None:
-            name = await asyncio.to_thread(choose_tier, tier, trust, prefer)
-            backend = await asyncio.to_thread(_registry.backend, name)
-        chosen = backend if isinstance(backend, AsyncBackend) else ThreadedAsyncBackend(backend)
-        instance = await chosen.astart(spec)
+        reading = contextlib.ExitStack()
+        try:
+            if snapshot is not None:
+                # its objects stay while they are restored, even if it is deleted meanwhile
+                held = store_of(snapshot, store).reading(snapshot)
+                await asyncio.to_thread(reading.enter_context, held)
+                given = {"limits": limits, "network": network, "envs": envs}
+                tier, spec = await asyncio.to_thread(from_snapshot, snapshot, store, tier, spec, given)
+            if backend is None:
+                name = await asyncio.to_thread(choose_tier, tier, trust, prefer)
+                backend = await asyncio.to_thread(_registry.backend, name)
+            chosen = backend if isinstance(backend, AsyncBackend) else ThreadedAsyncBackend(backend)
+            instance = await chosen.astart(spec)
+        finally:
+            await asyncio.to_thread(reading.close)
         sbx = cls(instance)
         if workspace is not None:
             try:

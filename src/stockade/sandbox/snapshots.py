@@ -10,6 +10,7 @@
       tmp/                        what is being written
       reserved/<ns>-<pid>-<token> the room a snapshot being written holds (bytes; locked by its
                                   writer; named by when it began, so the oldest sorts first)
+      reading/<id>-<pid>-<token>  the objects a restore is reading (kept until it ends)
       lock                        taken while room is counted and reserved
 
 Every object is named by the SHA-256 of its bytes and every manifest by the SHA-256 of its
@@ -484,15 +485,61 @@ class SnapshotStore:
             if sid in self._claimed_refs([]):  # a resume is reading it: its objects wait
                 objects = frozenset()
             self.delete(sid)
-            begun = (name.split("-", 1)[0] for name in self._held_by_others(Path()))
-            writers = [int(ns) for ns in begun if ns.isdigit()]
-            if writers:
-                since = min(writers) / 1e9 - WRITER_SLACK_S
-                objects = frozenset(d for d in objects if _mtime(self.object_path(d)) < since)
+            return self._remove_now(objects)
+
+    def _remove_now(self, objects: frozenset[str]) -> list[str]:
+        """Under the store's lock: remove those of ``objects`` that nothing uses, now, but
+        those a restore is reading and those a snapshot being written may be about to name."""
+        objects -= self._being_read()
+        begun = (name.split("-", 1)[0] for name in self._held_by_others(Path()))
+        writers = [int(ns) for ns in begun if ns.isdigit()]
+        if writers:
+            since = min(writers) / 1e9 - WRITER_SLACK_S
+            objects = frozenset(d for d in objects if _mtime(self.object_path(d)) < since)
+        try:
+            return self.collect(evicted=objects)
+        except OSError:  # what is left goes at the next collection; the snapshot is gone
+            return []
+
+    @contextlib.contextmanager
+    def reading(self, snapshot: Snapshot | str) -> Iterator[Manifest]:
+        """The snapshot's manifest, and its objects kept for as long as the block runs (a
+        restore reading them), by ``discard`` and ``collect`` in any process sharing the
+        folder: a snapshot deleted while a sandbox was restored from it had its objects
+        removed under the restore, which failed ``SnapshotCorrupt`` ("object ... is
+        missing"). The snapshot itself goes at once (a later restore finds none); its objects
+        when the last restore reading them ends. ``SnapshotNotFound`` when it is gone already."""
+        sid = _snapshot_id(snapshot)
+        folder = self._dir("reading")
+        path = folder / f"{sid}-{os.getpid()}-{secrets.token_hex(6)}"
+        temp = folder / f".{path.name}"
+        with self.locked():  # never between a discard's look at the readers and its removal
+            manifest = self.load(sid)
+            objects = frozenset(manifest.blobs.values())
+            temp.write_text(json.dumps(sorted(objects)))
+            os.replace(temp, path)  # whole, or not there, to a collection that does not lock
+        try:
+            yield manifest
+        finally:
+            path.unlink(missing_ok=True)
             try:
-                return self.collect(evicted=objects)
-            except OSError:  # what is left goes at the next collection; the snapshot is gone
-                return []
+                self._manifest_path(sid)
+            except exc.SnapshotNotFound:  # deleted meanwhile: what it alone used goes now
+                with contextlib.suppress(OSError), self.locked():
+                    self._remove_now(objects)
+
+    def _being_read(self) -> set[str]:
+        """The objects restores are reading (``reading``); the marks of the dead are removed."""
+        found: set[str] = set()
+        for path in _entries(self.root / "reading"):
+            if path.name.startswith("."):
+                continue
+            if _writer_gone(path):
+                path.unlink(missing_ok=True)
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                found.update(str(d) for d in json.loads(path.read_text()))
+        return found
 
     def _manifest_path(self, sid: str) -> Path:
         hexpart = sid.removeprefix(ID_PREFIX)
@@ -697,7 +744,7 @@ class SnapshotStore:
 
         removed: list[str] = []
         kept = self._live_refs(removed) | ({keep} if keep else set())
-        used = self._live_manifests(kept, old, removed)
+        used = self._live_manifests(kept, old, removed) | self._being_read()
         for sub in ("objects", "verified"):
             for path in _entries(self.root / sub):
                 name = path.name.lstrip(".").split("-")[0]

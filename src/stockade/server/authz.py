@@ -110,6 +110,35 @@ def check_network(engine: PolicyEngine, network: NetworkPolicy) -> NetworkPolicy
     return dataclasses.replace(granted, enabled=True, rules=rules, credentials=credentials)
 
 
+def network_changed(kept: NetworkPolicy, now: NetworkPolicy) -> list[str]:
+    """How the network the policy gives now (``check_network`` of a snapshot's own) differs
+    from the one a memory snapshot's egress proxy holds (each setting that differs: ``hosts
+    pypi.org ports 80,443 methods GET, not ...``). Order changes nothing the proxy does, and
+    credentials are not kept in a snapshot: neither is a difference."""
+
+    def spelled(network: NetworkPolicy) -> dict[str, str]:
+        hosts = sorted(
+            f"{r.host} ports {','.join(map(str, sorted(set(r.ports))))} "
+            f"methods {','.join(sorted(set(r.methods))) or 'any'}"
+            for r in set(network.host_rules)
+        )
+        pins = sorted(f"{name}={','.join(sorted(set(a)))}" for name, a in network.resolve.items())
+        return {
+            "enabled": str(network.enabled or network.egress),
+            "hosts": "; ".join(hosts) or "none",
+            "allow_addresses": ", ".join(sorted(set(network.allow_addresses))) or "none",
+            "resolve": ", ".join(pins) or "none",
+            "max_requests_per_minute": str(network.max_requests_per_minute),
+            "max_bytes_per_minute": str(network.max_bytes_per_minute),
+            "upstream_ca": "set" if network.upstream_ca else "none",
+        }
+
+    then, given = spelled(kept), spelled(now)
+    if then["upstream_ca"] == given["upstream_ca"] == "set" and kept.upstream_ca != now.upstream_ca:
+        then["upstream_ca"], given["upstream_ca"] = "the one it was taken with", "another"
+    return [f"network {name} {given[name]}, not {then[name]}" for name in then if given[name] != then[name]]
+
+
 def _check_narrowed(granted: NetworkPolicy, network: NetworkPolicy) -> None:
     """``PolicyDenied`` for what an allowlist narrowed from the whole network must not name
     unless the operator's policy does: the whole network is the public internet, but the

@@ -63,13 +63,15 @@ async def authenticate(request: Request) -> Principal:
 
 def recheck(request: Request, caller: Principal) -> None:
     """``AuthenticationError`` once the request's token no longer stands for ``caller`` (taken
-    out of the tenants file, given a new secret, moved to another tenant). A response that
-    lasts (an event stream) asks it as it goes: a revoked token must not keep reading through
-    a stream it opened before. In memory only, and not counted against the tenant's rate."""
+    out of the tenants file, given a new secret, moved to another tenant, given another role
+    or admin flag). A response that lasts (an event stream) asks it as it goes: a revoked or
+    demoted token must not keep reading through a stream it opened before. In memory only,
+    and not counted against the tenant's rate."""
     now = principal_of(get_service(request).tenants, request.headers.get("authorization", ""))
-    if now.token_id != caller.token_id or now.tenant.id != caller.tenant.id:
+    if not now.stands_as(caller):
+        role = f" under role {caller.role!r}" if caller.role else ""
         raise exc.AuthenticationError(
-            f"the API token no longer stands for tenant {caller.tenant.id!r}: open the stream again"
+            f"the API token no longer stands for tenant {caller.tenant.id!r}{role}: open the stream again"
         )
 
 

@@ -239,9 +239,10 @@ async def submit_run(body: RunSubmit, request: Request, response: Response, call
     def work() -> RunOut:
         spec = body.model_dump(mode="json")
         if body.idempotency_key is not None:
-            existing = service.store.run_by_key(caller.tenant.id, body.idempotency_key)
+            # the role's own keys: another role's run is neither named nor blocks this one
+            existing = service.store.run_by_key(caller.tenant.id, caller.role, body.idempotency_key)
             if existing is not None:
-                if existing.spec != spec or not owns(caller, existing):  # never another role's run
+                if existing.spec != spec or not owns(caller, existing):
                     raise exc.RunConflict(
                         f"idempotency key {body.idempotency_key!r} was used for another run "
                         f"({existing.run_id}) with a different request; use a new key"

@@ -55,7 +55,7 @@ from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER, ReadFile
-from stockade.server.authz import check_network, check_tier_network, choose_tier, engine_for
+from stockade.server.authz import check_network, check_tier_network, choose_tier, engine_for, network_changed
 from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
@@ -235,18 +235,24 @@ class SandboxRegistry:
             return None
         return check_network(engine, kept.network)
 
-    @staticmethod
-    def _same_rules(engine: PolicyEngine, kept: SandboxSpec, snapshot: str, what: str, fix: str) -> None:
-        """A memory snapshot comes back only under the rules it was taken with: its supervisor
-        and kernel hold those. A tenant whose policy changed since is refused (the sandbox
-        would enforce the old rules), with what changed; its files still come back under the
-        policy as it is now, from a files snapshot."""
+    @classmethod
+    def _same_rules(cls, engine: PolicyEngine, kept: SandboxSpec, snapshot: str, what: str, fix: str) -> None:
+        """A memory snapshot comes back only under the rules and network it was taken with:
+        its supervisor and kernel hold those rules, its egress proxy that network. A tenant
+        whose policy changed since is refused (the sandbox would enforce the old ones), with
+        what changed; its files still come back under the policy as it is now, from a files
+        snapshot. A host no longer allowed is ``PolicyDenied``, as for a new sandbox; one still
+        allowed whose methods, ports or rates the policy changed is such a change (it came back
+        with the old ones)."""
         differences = rules_changed(kept.rules, engine.sandbox_rules())
+        judged = cls._network(engine, kept)
+        if judged is not None:
+            differences += network_changed(kept.network, judged)
         if differences:
             raise exc.SnapshotIncompatible(
-                f"{what} {snapshot} keeps a running sandbox's memory under the sandbox rules the "
-                f"tenant's policy gave when it was taken; the policy has changed since "
-                f"({'; '.join(differences)}) and its memory cannot come back under the new rules: {fix}"
+                f"{what} {snapshot} keeps a running sandbox's memory under the sandbox rules and "
+                f"network the tenant's policy gave when it was taken; the policy has changed since "
+                f"({'; '.join(differences)}) and its memory cannot come back under the new ones: {fix}"
             )
 
     @staticmethod
@@ -296,7 +302,9 @@ class SandboxRegistry:
             memory = manifest.snapshot.kind is SnapshotKind.MEMORY
         asked = request.tier or (manifest.snapshot.tier if kept is not None else None)
         tier, why = choose_tier(engine, asked, request.prefer)
-        if kept is not None and memory and tier == manifest.snapshot.tier:
+        # its memory comes back on its own tier; on another, only its files
+        memory = memory and tier == manifest.snapshot.tier
+        if kept is not None and memory:
             fix = "restore a files snapshot (memory=false): its files come back under the policy as it is now"
             self._same_rules(engine, kept, manifest.snapshot.id, "snapshot", fix)
         network = request.network.build() if request.network is not None else None
@@ -304,7 +312,9 @@ class SandboxRegistry:
             network = check_network(engine, network)
         elif kept is not None:
             judged = self._network(engine, kept)  # refused if the policy no longer gives it
-            network = None if memory else judged  # a memory snapshot keeps its own (no credentials)
+            # a memory snapshot keeps its own, the same as judged (no credentials); its files
+            # alone take the policy's as it is now
+            network = None if memory else judged
         check_tier_network(
             self.service.backends(tier),
             network if network is not None else kept.network if kept is not None else None,

@@ -285,7 +285,8 @@ class RunSubmit(_In):
     )
     idempotency_key: str | None = Field(
         None, min_length=1, max_length=200,
-        description="submitting again with the same key returns the run it made (a different spec: 409)",
+        description="submitting again with the same key returns the run it made (a different spec: 409); "
+        "each role's keys are its own",
     )  # fmt: skip
     tier: Name | None = None
     trust: Trust | None = None

@@ -101,7 +101,12 @@ def _schema(ns: str, blob: str) -> list[str]:
             status TEXT NOT NULL, error TEXT, labels TEXT NOT NULL, submitted_ns BIGINT NOT NULL,
             started_ns BIGINT, finished_ns BIGINT, attempts INTEGER NOT NULL, worker TEXT, idem_key TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_runs_tenant ON {ns}_runs (tenant, submitted_ns)",
-        f"CREATE UNIQUE INDEX IF NOT EXISTS {ns}_runs_idem ON {ns}_runs (tenant, idem_key)",
+        # an idempotency key is its role's (a dev token's key blocked an admin's submit, naming a
+        # run the admin could not see); the older (tenant, idem_key) index goes: its keys were
+        # unique per tenant, so they are per role too
+        f"CREATE UNIQUE INDEX IF NOT EXISTS {ns}_runs_idem_role "
+        f"ON {ns}_runs (tenant, COALESCE(role, ''), idem_key)",
+        f"DROP INDEX IF EXISTS {ns}_runs_idem",
         _workspaces_table(f"{ns}_workspaces", blob),
         f"""CREATE TABLE IF NOT EXISTS {ns}_artifacts (
             run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
@@ -347,7 +352,7 @@ class ServiceStore:
         )  # fmt: skip
         row = self.run(run_id)
         if row is None:
-            if idem_key is not None and self.run_by_key(tenant, idem_key) is not None:
+            if idem_key is not None and self.run_by_key(tenant, role, idem_key) is not None:
                 raise exc.RunConflict(
                     f"a run with idempotency key {idem_key!r} was submitted at the same time"
                 )
@@ -393,9 +398,12 @@ class ServiceStore:
         rows = self.db.query(f"SELECT failed FROM {table} WHERE run_id = ?", (run_id,))
         return int(str(rows[0][0])) if rows else 0
 
-    def run_by_key(self, tenant: str, idem_key: str) -> RunRow | None:
+    def run_by_key(self, tenant: str, role: str | None, idem_key: str) -> RunRow | None:
+        """The run the tenant's ``role`` submitted with ``idem_key`` (each role's keys are its own)."""
         rows = self.db.query(
-            f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE tenant = ? AND idem_key = ?", (tenant, idem_key)
+            f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs "
+            "WHERE tenant = ? AND COALESCE(role, '') = ? AND idem_key = ?",
+            (tenant, _role_key(role), idem_key),
         )
         return _run(rows[0]) if rows else None
 

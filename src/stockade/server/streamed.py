@@ -182,8 +182,9 @@ def streamed(
     work: Callable[[Callable[[str], object], Callable[[str], object]], dict[str, Any]],
 ) -> StreamingResponse:
     """Run ``work(on_stdout, on_stderr)`` in a thread as one of the caller's ``calls`` and
-    stream what it prints, then its result. A token taken out meanwhile reads no further: the
-    stream ends with an error line within ``RECHECK_S``, and the call runs on to its end (a
+    stream what it prints, then its result. A token taken out or given another role meanwhile
+    reads no further: the stream ends with an error line within ``RECHECK_S`` (and the result
+    is asked for afresh), and the call runs on to its end (a
     sandbox is its tenant's, not a token's), its output left unread. A client that goes has
     its call cut in the sandbox (``CutOnLeave``)."""
     outbox = Outbox(asyncio.get_running_loop(), held_bytes(request), caller.tenant)
@@ -211,11 +212,14 @@ def streamed(
                     kind, payload = await asyncio.wait_for(outbox.take(), RECHECK_S)
                 except TimeoutError:  # nothing printed for a while: the token is asked all the same
                     kind, payload = "", None
-                if time.monotonic() - checked >= RECHECK_S:
+                # the result (all of the output again) is never sent on an old check
+                if time.monotonic() - checked >= RECHECK_S or kind == "result":
                     checked = time.monotonic()
                     try:
                         await anyio.to_thread.run_sync(lambda: recheck(request, caller))
                     except exc.AuthenticationError as error:
+                        if kind == "result":  # withheld: what it held goes back
+                            payload[1].release()
                         yield line("error", from_error(error, request.url.path).body)
                         return
                 if not kind:

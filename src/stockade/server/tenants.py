@@ -183,6 +183,18 @@ class Principal:
     token_id: str
     admin: bool = False
 
+    def stands_as(self, earlier: Principal) -> bool:
+        """Whether this principal (its token looked up again) still grants what ``earlier``
+        did: the same token of the same tenant, under the same role, admin or not. A role
+        changed in the tenants file reaches other sandboxes, runs and data classes: what was
+        opened under the old one must not go on reading."""
+        return (
+            self.token_id == earlier.token_id
+            and self.tenant.id == earlier.tenant.id
+            and self.role == earlier.role
+            and self.admin == earlier.admin
+        )
+
 
 class _TenantEntry(BaseModel):
     # inf passed gt/ge bounds: a tenant with rate_period_s = inf got 500s (OverflowError) for 429s

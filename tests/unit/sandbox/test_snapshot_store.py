@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from stockade import (
+    AsyncSandbox,
     InvalidArgument,
     Sandbox,
     SnapshotCorrupt,
@@ -27,6 +28,7 @@ from stockade import (
     SnapshotStore,
 )
 from stockade.egress.secrets import EnvSecret
+from stockade.sandbox._startup import rules_changed
 from stockade.sandbox._supervised import (
     enforcement_from_state,
     enforcement_state,
@@ -34,7 +36,8 @@ from stockade.sandbox._supervised import (
     spec_state,
 )
 from stockade.sandbox.base import SandboxSpec
-from stockade.testing import FakeBackend
+from stockade.sandbox.ops import PutArchive
+from stockade.testing import FakeBackend, FakeInstance
 from stockade.types import (
     Credential,
     Enforcement,
@@ -43,6 +46,7 @@ from stockade.types import (
     Limits,
     Mechanism,
     NetworkPolicy,
+    ReadOnly,
     SandboxRules,
 )
 
@@ -427,6 +431,76 @@ def test_a_discard_during_a_resume_leaves_the_objects_it_reads(tmp_path: Path) -
         assert memory.exists()  # the resume reads on
 
 
+class DeletedWhileRestoring(FakeBackend):
+    """A restore that has read its snapshot's manifest when another request deletes the
+    snapshot (``DELETE /v1/snapshots/S``), and reads its objects after."""
+
+    def start(self, spec: SandboxSpec) -> FakeInstance:
+        assert spec.snapshot is not None
+        store = SnapshotStore(Path(spec.snapshot.store))
+        blobs = store.load(spec.snapshot).blobs
+        store.discard(spec.snapshot)
+        instance = super().start(dataclasses.replace(spec, snapshot=None))
+        instance.handler(PutArchive(data=store.check_object(blobs["workspace"]).read_bytes()))
+        return instance
+
+
+def test_a_snapshot_deleted_while_it_is_restored_comes_back_whole_and_then_goes(tmp_path: Path) -> None:
+    """Its objects were removed under the restore, which failed ``SnapshotCorrupt`` ("object
+    ... is missing": found from outside, a DELETE 0.3 s into a create). A restore reading
+    them keeps them; the snapshot is gone at once, its bytes once the restore ends."""
+    store = SnapshotStore(tmp_path / "snaps")
+    with Sandbox.create(backend=FakeBackend()) as sbx:
+        sbx.files.write("data.txt", "kept")
+        taken = sbx.snapshot(store=store)
+    with Sandbox.create(backend=DeletedWhileRestoring(), snapshot=taken, store=store) as back:
+        assert back.files.read("data.txt") == "kept"
+    with pytest.raises(SnapshotNotFound):
+        store.load(taken)
+    assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
+
+
+async def test_an_async_restore_keeps_them_too(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps")
+    async with await AsyncSandbox.create(backend=FakeBackend()) as sbx:
+        await sbx.files.write("data.txt", "kept")
+        taken = await sbx.snapshot(store=store)
+    async with await AsyncSandbox.create(
+        backend=DeletedWhileRestoring(), snapshot=taken, store=store
+    ) as back:
+        assert await back.files.read("data.txt") == "kept"
+    assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
+
+
+def test_a_restore_keeps_the_objects_it_reads_from_discard_and_collection(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    sid = _snapshot(store, b"being restored")
+    shared = _snapshot(store, b"shared by two")
+    digest = store.load(sid).blobs["workspace"]
+    _age(tmp_path, 3600)
+    with store.reading(sid) as manifest, store.reading(sid):  # two restores of one snapshot
+        assert manifest.blobs == {"workspace": digest}
+        store.discard(sid)
+        store.collect(grace_s=0)  # `stockade gc` meanwhile
+        store.check_object(digest)  # both read on
+        with pytest.raises(SnapshotNotFound):  # a later one finds none
+            store.load(sid)
+    assert not store.object_path(digest).exists()  # gone with the last
+    with store.reading(shared):  # a snapshot not deleted keeps everything
+        pass
+    store.verify(shared)
+    with pytest.raises(SnapshotNotFound), store.reading(sid):
+        pass
+
+    # the mark of a restore whose process died keeps nothing
+    other = _snapshot(store, b"its reader died")
+    dead = store.load(other).blobs["workspace"]
+    (tmp_path / "reading" / f"{other}-{2**22 + 7}-0123456789ab").write_text(json.dumps([dead]))
+    store.discard(other)
+    assert not store.object_path(dead).exists()
+    assert not list((tmp_path / "reading").iterdir())
+
+
 def test_a_collection_spares_a_stamp_being_written(tmp_path: Path) -> None:
     """It removed every stamp no snapshot named yet, the one an object being added was writing
     included, and the add failed with a bare FileNotFoundError (2 snapshots of 40)."""
@@ -539,3 +613,33 @@ def test_a_memory_snapshot_refuses_other_rules_and_reports_its_own(tmp_path: Pat
     # its files alone come back under any rules
     with Sandbox.create(backend=backend, snapshot=files, store=store, rules=strict) as fresh:
         assert fresh.rules == strict
+
+
+def test_a_memory_snapshot_comes_back_under_its_rules_in_another_order(tmp_path: Path) -> None:
+    """Rules are sets: a command is judged by any pattern that matches, a path by any glob.
+    A policy that only reordered (or repeated) its ``commands.deny`` or ``paths.deny`` made
+    every paused memory sandbox incompatible; it comes back, under the rules it kept."""
+    store = SnapshotStore(tmp_path / "snaps")
+    backend = FakeBackend(tier="microvm")
+    taken = SandboxRules(deny=("curl", "wget"), approve=("rm -r", "git push"), hide=("secrets/**", ".env"))
+    with Sandbox.create(backend=backend, rules=taken) as sbx:
+        files = sbx.snapshot(store=store)
+    kept = store.load(files)
+    memory = store.save(
+        kind=SnapshotKind.MEMORY, tier="microvm", source=files.source, spec=kept.spec, blobs=kept.blobs
+    )
+    reordered = SandboxRules(
+        deny=("wget", "curl", "curl"), approve=("git push", "rm -r"), hide=(".env", "./secrets/**")
+    )
+    with Sandbox.create(backend=backend, snapshot=memory, store=store, rules=reordered) as back:
+        assert back.rules == taken
+    with pytest.raises(SnapshotIncompatible, match=r"deny \('wget',\), not \('curl', 'wget'\)"):
+        Sandbox.create(backend=backend, snapshot=memory, store=store, rules=SandboxRules(deny=("wget",)))
+
+    # a data class read but not written: its globs, and the classes, in any order
+    a, b = ReadOnly(paths=("records/**", "notes/**"), setting="restricted"), ReadOnly(paths=("keys/**",))
+    assert rules_changed(SandboxRules(read_only=(a, b)), SandboxRules(read_only=(b, a))) == []
+    swapped = ReadOnly(paths=("notes/**", "records/**"), setting="restricted")
+    assert rules_changed(SandboxRules(read_only=(a,)), SandboxRules(read_only=(swapped,))) == []
+    other = ReadOnly(paths=("records/**", "notes/**"), setting="secret")
+    assert rules_changed(SandboxRules(read_only=(a,)), SandboxRules(read_only=(other,))) != []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,3 +349,57 @@ async def test_a_memory_snapshot_under_a_policy_changed_since_is_refused_naming_
         pass
     async with await AsyncRemoteSandbox.resume(sbx.id, client=again):
         pass
+
+
+async def test_a_memory_snapshot_whose_hosts_the_policy_narrowed_since_is_refused(
+    services: Services, tmp_path: Path
+) -> None:
+    """A memory snapshot's egress proxy holds the network its sandbox was started with: the
+    policy's methods, ports and rates for its hosts then. Judged again, only a host no longer
+    allowed was refused; one still allowed came back with the old rules (POST where the
+    policy now lets only GET). A start and a resume are refused, naming the network; under
+    the policy it was taken with it comes back."""
+    token, record = new_token("acme")
+
+    def tenants(methods: list[str], rate: int = 600) -> Tenants:
+        network = {"allow": [{"host": "pypi.org", "methods": methods}], "max_requests_per_minute": rate}
+        policy = Policy.model_validate({"trust": {"level": "trusted"}, "network": network})
+        acme = Tenant(id="acme", quotas=Quotas(sandboxes=2, snapshot_mb=64), policy=policy)
+        return Tenants(tenants={"acme": acme}, tokens={record.id: record})
+
+    first = tenants(["GET", "POST"])
+    before = services.start(first, tmp_path / "snaps")
+    store = before.snapshots.store(first.tenants["acme"])
+    pypi = NetworkPolicy(allow_hosts=("pypi.org",))
+    sbx = await AsyncRemoteSandbox.create("process", network=pypi, client=services.client(before, token))
+    memory = as_memory(store, (await sbx.snapshot()).id, ("kept", ""))
+    paused = await sbx.pause()
+    store.set_ref("paused", sbx.id, as_memory(store, paused.id, ("kept", "")))
+    methods = "network hosts pypi.org ports 80,443 methods GET, not pypi.org ports 80,443 methods GET,POST"
+    narrowed = {
+        methods: tenants(["GET"]),
+        "network max_requests_per_minute 60, not 600": tenants(["GET", "POST"], 60),
+    }
+    for change, policy in narrowed.items():
+        client = services.client(services.start(policy, tmp_path / "snaps"), token)
+        with pytest.raises(exc.SnapshotIncompatible, match=re.escape(f"policy has changed since ({change})")):
+            await AsyncRemoteSandbox.create(client=client, snapshot=memory)
+        with pytest.raises(exc.SnapshotIncompatible, match=r"network.*it stays paused"):
+            await AsyncRemoteSandbox.resume(sbx.id, client=client)
+        assert await client.sandboxes() == []
+    again = services.client(services.start(tenants(["GET", "POST"]), tmp_path / "snaps"), token)
+    async with await AsyncRemoteSandbox.create(client=again, snapshot=memory):
+        pass
+    async with await AsyncRemoteSandbox.resume(sbx.id, client=again):
+        pass
+
+    # on another tier its memory stays behind: its files come back with the network as it is now
+    kept = store.load(memory)
+    elsewhere = store.save(
+        kind=SnapshotKind.MEMORY, tier="microvm", source=kept.snapshot.source, spec=kept.spec,
+        blobs=kept.blobs, ref=("kept", ""),
+    ).id  # fmt: skip
+    client = services.client(services.start(tenants(["GET"]), tmp_path / "snaps"), token)
+    async with await AsyncRemoteSandbox.create("process", client=client, snapshot=elsewhere):
+        started = services.backend.specs[-1].network
+        assert [rule.methods for rule in started.host_rules] == [("GET",)]

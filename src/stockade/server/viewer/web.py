@@ -213,9 +213,9 @@ class ServiceAuth:
     def check(self, cookie: str, source: RunSource) -> None:
         assert isinstance(source, ServiceRuns)  # what ``source`` made
         now = self.sessions.check(cookie).principal
-        if now.token_id != source.principal.token_id or now.tenant.id != source.principal.tenant.id:
+        if not now.stands_as(source.principal):  # a role changed reaches other runs
             raise exc.AuthenticationError(
-                "the session's token no longer stands for that tenant: sign in again"
+                "the session's token no longer stands for that tenant and role: sign in again"
             )
 
     def release(self, source: RunSource) -> None:
