@@ -44,7 +44,7 @@ except ModuleNotFoundError:  # pragma: no cover - the extra is missing
 __all__ = [
     "ANSWER_MAX_BYTES", "DIFF_MAX_BYTES", "LIST_MAX_BYTES", "PACE_BYTES", "PROBLEM_MAX_BYTES", "Answer",
     "AsyncHttp", "Http", "Lines", "Pace", "araise_for_problem", "bad_answer", "error_from",
-    "raise_for_problem",
+    "malformed_archive", "raise_for_problem",
 ]  # fmt: skip
 
 PROBLEM_MAX_BYTES = 64 * 1024  # of a problem document: its detail and fields are a few lines
@@ -148,6 +148,12 @@ async def araise_for_problem(response: httpx.Response, url: str = "") -> None:
             if body.add(piece):
                 break
         raise _problem(url, response.status_code, response.headers, body.take())
+
+
+def malformed_archive(url: str, error: exc.ProtocolError) -> exc.ServiceError:
+    """An archive the service made (a run's artifacts) that does not unpack: the service's
+    answer, not a sandbox's."""
+    return bad_answer(url, f"a malformed archive: {error.why or error}")
 
 
 def _late(url: str, timeout_s: float | None) -> exc.ServiceUnavailable:

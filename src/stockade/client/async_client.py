@@ -18,7 +18,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import check_timeout
-from stockade.client._http import DIFF_MAX_BYTES, LIST_MAX_BYTES, AsyncHttp
+from stockade.client._http import DIFF_MAX_BYTES, LIST_MAX_BYTES, AsyncHttp, malformed_archive
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
 from stockade.client.async_sandbox import AsyncRemoteSandbox
@@ -137,9 +137,11 @@ class AsyncRemoteRun:
                     await asyncio.to_thread(inflated.feed, chunk)
             await asyncio.to_thread(inflated.finish)
             await asyncio.to_thread(unpack.finish)
-        except BaseException:
+        except BaseException as error:
             # Shielded: a second cancellation must not leave half a download behind.
             await asyncio.shield(asyncio.to_thread(unpack.abort))
+            if isinstance(error, exc.ProtocolError):
+                raise malformed_archive(self.client.http.url, error) from None
             raise
         return Path(dest)
 

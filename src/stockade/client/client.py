@@ -26,6 +26,7 @@ from stockade.client._http import (
     Http,
     bad_answer,
     error_from,
+    malformed_archive,
 )
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
@@ -249,15 +250,18 @@ class RemoteRun:
         nothing written outside ``dest``, a link that leads out left out, at most
         ``max_bytes`` and ``max_entries`` (``FileTooLarge``); unpacked as it arrives."""
         host_path(dest, "dest")
-        with (
-            Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
-            self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response,
-        ):
-            inflated = Inflated(unpack.feed)
-            for chunk in self.client.http.bulk(response):
-                inflated.feed(chunk)
-            inflated.finish()
-            unpack.finish()
+        try:
+            with (
+                Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
+                self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response,
+            ):
+                inflated = Inflated(unpack.feed)
+                for chunk in self.client.http.bulk(response):
+                    inflated.feed(chunk)
+                inflated.finish()
+                unpack.finish()
+        except exc.ProtocolError as error:
+            raise malformed_archive(self.client.http.url, error) from None
         return Path(dest)
 
     def delete_artifacts(self) -> None:

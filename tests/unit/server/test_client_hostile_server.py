@@ -214,11 +214,17 @@ def test_a_runs_artifacts_as_the_service_packs_them_come_through(
     assert not os.path.lexists(out / "venv-python")
 
 
-def test_a_gzip_cut_short_is_refused(service: Service, tmp_path: Path) -> None:
+@both
+def test_a_gzip_cut_short_is_the_services_answer_refused(
+    service: Service, tmp_path: Path, use_async: bool
+) -> None:
+    """The service packed the artifacts: the error names it, not a sandbox."""
     whole = gzip.compress(pack_workspace(tmp_path).data)  # any gzip, cut in the middle
     service.answers["/v1/runs/r1/artifacts"] = body(whole[: len(whole) // 2])
-    with pytest.raises(exc.StockadeError):
-        artifacts(service, tmp_path / "out", use_async=False)
+    with pytest.raises(exc.ServiceError, match=r"^the service at .* a malformed archive: the gzip") as raised:
+        artifacts(service, tmp_path / "out", use_async=use_async)
+    assert not raised.value.retryable  # the same request gets the same archive
+    assert "sandbox" not in str(raised.value)
     assert not (tmp_path / "out").exists()
 
 
