@@ -261,14 +261,16 @@ class _Backend:
         self._backend.sleep(seconds)
 
 
-def _transport() -> Any:
-    """httpx's own transport, its pool on ``_Backend``: httpx takes no backend of its own."""
-    transport = httpx.HTTPTransport()
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(), max_connections=100, max_keepalive_connections=20,
-        keepalive_expiry=5.0, network_backend=_Backend(),  # type: ignore[arg-type]
-    )  # fmt: skip
-    return transport
+def _with_deadlines(client: Any) -> Any:
+    """``client`` (an ``httpx2.Client``), its connection pools' reads ``_ByDeadline``: the
+    default transport's and the proxies' httpx mounts from the environment (httpx takes no
+    network backend; httpcore's pool does, and makes no connection before the first call).
+    A transport of the caller's with no such pool is left as it is."""
+    for transport in (client._transport, *client._mounts.values()):
+        pool = getattr(transport, "_pool", None)
+        if isinstance(pool, httpcore.ConnectionPool):
+            pool._network_backend = _Backend()  # type: ignore[assignment]
+    return client
 
 
 class _Body:
@@ -411,17 +413,16 @@ def _unreachable(url: str, error: Exception) -> exc.ServiceUnavailable:
 
 class Http:
     """Requests to one service with one token; connection failures are ``ServiceUnavailable``.
-    An answer's head comes by ``timeout_s`` (with a ``transport`` of the caller's, by httpx's
-    per-read timeout alone)."""
+    An answer's head comes by ``timeout_s`` (with a ``transport`` of the caller's that is no
+    ``httpx2.HTTPTransport``, by httpx's per-read timeout alone)."""
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float | None = 120.0,
                  transport: Any = None) -> None:  # fmt: skip
         self.url, token = _settings(url, token)
         self.timeout_s = check_timeout(timeout_s)
-        self._client = httpx.Client(
-            base_url=self.url, headers=_headers(token), timeout=_timeout(timeout_s),
-            transport=transport or _transport(),
-        )  # fmt: skip
+        self._client = _with_deadlines(httpx.Client(
+            base_url=self.url, headers=_headers(token), timeout=_timeout(timeout_s), transport=transport,
+        ))  # fmt: skip
 
     def request(self, method: str, path: str, *, limit: int = ANSWER_MAX_BYTES, **kwargs: Any) -> Answer:
         """One call, its answer read whole: at most ``limit`` bytes, by ``timeout_s``."""
