@@ -350,6 +350,10 @@ class SandboxGone(SandboxClosed):
 class ProtocolError(SandboxError):
     """The in-sandbox supervisor sent something malformed; the sandbox is torn down."""
 
+    # what is malformed, without who sent it: a caller whose archive came from elsewhere (a
+    # service's, a client's upload) says so in its own words
+    why: str = ""
+
 
 class SnapshotError(SandboxError):
     """A snapshot could not be taken, kept or restored; the message says why (a full store

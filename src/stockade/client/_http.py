@@ -3,43 +3,62 @@ SDK's own errors (a 404 of a file is ``SandboxFileNotFound``, a 422 of a path is
 ``PathEscapeError``, ...).
 
 Whatever the service answers, the client's memory and time stay bounded and every failure is
-a ``StockadeError``: a problem document is read up to ``PROBLEM_MAX_BYTES``, an answer (and a
-line of a stream) up to ``ANSWER_MAX_BYTES``; a non-streamed call ends by its ``timeout_s``
-however slowly the body drips (``ServiceUnavailable``, as an unreachable service); a body
-that is not what the call expects (not JSON, a redirect, a field missing) is a
-``ServiceError``.
+a ``StockadeError``: a problem document is read up to ``PROBLEM_MAX_BYTES``, a JSON answer (and
+a line of a stream) up to ``ANSWER_MAX_BYTES`` unless the call knows it may be larger (a
+listing, a command's result: ``LIST_MAX_BYTES``, ``sandbox.result_max_bytes``), a file's
+content up to ``ReadFile.max_bytes``: what a parsed answer holds in memory is several times
+its size (a 256 MiB ``[0,0,...]`` took 1.5 GiB); an answer's head comes by ``timeout_s``, a
+non-streamed call ends by it however slowly the body drips, and a bulk body (a file's
+content, a download, a run's artifacts: up to gigabytes) must keep coming at ``PACE_BYTES``
+per ``timeout_s`` (``ServiceUnavailable``, as an unreachable service); a body that is not what
+the call expects (not JSON, a redirect, a field missing) is a ``ServiceError``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from stockade import exceptions as exc
 from stockade._checks import check_timeout
 from stockade._gather import Gathered
 from stockade.client import _inputs
 from stockade.sandbox.ops import ReadFile
+from stockade.sandbox.supervisor.protocol import MAX_LIST_JSON
+from stockade.tools.workspace_diff import MAX_DIFF_BYTES
 
 try:
+    import httpcore2 as httpcore
     import httpx2 as httpx
 except ModuleNotFoundError:  # pragma: no cover - the extra is missing
-    httpx = None  # type: ignore[assignment]
+    httpx = httpcore = None  # type: ignore[assignment]
 
 __all__ = [
-    "ANSWER_MAX_BYTES", "PROBLEM_MAX_BYTES", "Answer", "AsyncHttp", "Http", "Lines", "araise_for_problem",
-    "bad_answer", "error_from", "raise_for_problem",
+    "ANSWER_MAX_BYTES", "DIFF_MAX_BYTES", "LIST_MAX_BYTES", "PACE_BYTES", "PROBLEM_MAX_BYTES", "Answer",
+    "AsyncHttp", "Http", "Lines", "Pace", "araise_for_problem", "bad_answer", "error_from",
+    "malformed_archive", "raise_for_problem",
 ]  # fmt: skip
 
 PROBLEM_MAX_BYTES = 64 * 1024  # of a problem document: its detail and fields are a few lines
-ANSWER_MAX_BYTES = ReadFile.max_bytes  # of an answer or a line of a stream: what a file read returns
+# Of a JSON answer of one thing (a run: its task up to 100,000 characters, a sandbox, an
+# entry, a snapshot), an event of a run's stream, a line of a command's output stream.
+ANSWER_MAX_BYTES = 8 * 1024 * 1024
+# Of a listing: a folder's (the supervisor's listing is at most MAX_LIST_JSON, the service's
+# entries about as long again), up to 1,000 runs, a tenant's sandboxes, snapshots, uploads.
+LIST_MAX_BYTES = 2 * MAX_LIST_JSON
+# Of a run's diff (text, not parsed): at most MAX_DIFF_BYTES, redacted.
+DIFF_MAX_BYTES = 4 * MAX_DIFF_BYTES
+# What a bulk body must bring per timeout_s: 546 B/s at the default 120 s, so a slow link's
+# gigabyte goes on, and a body that drips a byte a second ends within about timeout_s.
+PACE_BYTES = 64 * 1024
 
 # attributes a problem carries back into the error object
 _ATTRIBUTES = ("path", "rule", "action", "quota", "limit", "used", "cause", "kind", "id", "request_id",
@@ -131,8 +150,127 @@ async def araise_for_problem(response: httpx.Response, url: str = "") -> None:
         raise _problem(url, response.status_code, response.headers, body.take())
 
 
+def malformed_archive(url: str, error: exc.ProtocolError) -> exc.ServiceError:
+    """An archive the service made (a run's artifacts) that does not unpack: the service's
+    answer, not a sandbox's."""
+    return bad_answer(url, f"a malformed archive: {error.why or error}")
+
+
 def _late(url: str, timeout_s: float | None) -> exc.ServiceUnavailable:
     return exc.ServiceUnavailable(f"the service at {url} did not answer within {timeout_s} s (timeout_s)")
+
+
+def _slow(url: str, timeout_s: float | None) -> exc.ServiceUnavailable:
+    return exc.ServiceUnavailable(
+        f"the service at {url} sent less than {PACE_BYTES:,} bytes in {timeout_s} s (a body must keep "
+        f"coming at {PACE_BYTES:,} bytes per timeout_s)"
+    )
+
+
+class Pace:
+    """Whether a bulk body keeps coming: each ``PACE_BYTES`` of it within ``timeout_s`` of the
+    ones before (checked as each piece comes; httpx's read timeout bounds the wait for one).
+    A large body on a slow link goes on; one that drips ends."""
+
+    def __init__(self, url: str, timeout_s: float | None) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self._deadline = _deadline(timeout_s)
+        self._come = 0
+
+    def check(self, piece: bytes) -> bytes:
+        if self._deadline is None or self.timeout_s is None:
+            return piece
+        now = time.monotonic()
+        if now > self._deadline:
+            raise _slow(self.url, self.timeout_s)
+        self._come += len(piece)
+        if self._come >= PACE_BYTES:
+            self._come %= PACE_BYTES
+            self._deadline = now + self.timeout_s
+        return piece
+
+
+# When the read in flight on this thread must end (monotonic), whatever httpx's per-read
+# timeout says: a head that drips a byte a second never trips that (it read 16 KiB of one
+# for 30 s at timeout_s=3). The sync client's sockets check it (``_ByDeadline``).
+_READ_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar("stockade_read_by", default=None)
+
+
+@contextmanager
+def _reads_by(deadline: float | None) -> Iterator[None]:
+    token = _READ_BY.set(deadline)
+    try:
+        yield
+    finally:
+        _READ_BY.reset(token)
+
+
+class _Stream(Protocol):  # httpcore's NetworkStream, as far as _ByDeadline uses it
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes: ...
+    def write(self, buffer: bytes, timeout: float | None = None) -> None: ...
+    def close(self) -> None: ...
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> Any: ...  # fmt: skip
+    def get_extra_info(self, info: str) -> Any: ...
+
+
+class _ByDeadline:
+    """A connection whose reads end at ``_READ_BY``: each waits at most what is left."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        deadline = _READ_BY.get()
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise httpcore.ReadTimeout("past the call's deadline (timeout_s)")
+            timeout = left if timeout is None else min(timeout, left)
+        return self._stream.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> _ByDeadline:  # fmt: skip
+        return _ByDeadline(self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _Backend:
+    """httpcore's sync network backend, its connections ``_ByDeadline``."""
+
+    def __init__(self) -> None:
+        self._backend = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None, socket_options: Any = None) -> _ByDeadline:  # fmt: skip
+        return _ByDeadline(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Any = None) -> _ByDeadline:  # fmt: skip
+        return _ByDeadline(self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+def _with_deadlines(client: Any) -> Any:
+    """``client`` (an ``httpx2.Client``), its connection pools' reads ``_ByDeadline``: the
+    default transport's and the proxies' httpx mounts from the environment (httpx takes no
+    network backend; httpcore's pool does, and makes no connection before the first call).
+    A transport of the caller's with no such pool is left as it is."""
+    for transport in (client._transport, *client._mounts.values()):
+        pool = getattr(transport, "_pool", None)
+        if isinstance(pool, httpcore.ConnectionPool):
+            pool._network_backend = _Backend()  # type: ignore[assignment]
+    return client
 
 
 class _Body:
@@ -274,21 +412,23 @@ def _unreachable(url: str, error: Exception) -> exc.ServiceUnavailable:
 
 
 class Http:
-    """Requests to one service with one token; connection failures are ``ServiceUnavailable``."""
+    """Requests to one service with one token; connection failures are ``ServiceUnavailable``.
+    An answer's head comes by ``timeout_s`` (with a ``transport`` of the caller's that is no
+    ``httpx2.HTTPTransport``, by httpx's per-read timeout alone)."""
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float | None = 120.0,
                  transport: Any = None) -> None:  # fmt: skip
         self.url, token = _settings(url, token)
         self.timeout_s = check_timeout(timeout_s)
-        self._client = httpx.Client(
+        self._client = _with_deadlines(httpx.Client(
             base_url=self.url, headers=_headers(token), timeout=_timeout(timeout_s), transport=transport,
-        )  # fmt: skip
+        ))  # fmt: skip
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Answer:
-        """One call, its answer read whole: at most ``ANSWER_MAX_BYTES``, by ``timeout_s``."""
+    def request(self, method: str, path: str, *, limit: int = ANSWER_MAX_BYTES, **kwargs: Any) -> Answer:
+        """One call, its answer read whole: at most ``limit`` bytes, by ``timeout_s``."""
         deadline = _deadline(self.timeout_s)
-        with self.stream(method, path, **kwargs) as response:
-            body = _Body(self.url, ANSWER_MAX_BYTES, deadline=deadline, timeout_s=self.timeout_s,
+        with _reads_by(deadline), self.stream(method, path, **kwargs) as response:
+            body = _Body(self.url, limit, deadline=deadline, timeout_s=self.timeout_s,
                          declared=_declared(response))  # fmt: skip
             for piece in response.iter_bytes():
                 body.add(piece)
@@ -296,27 +436,44 @@ class Http:
 
     @contextmanager
     def stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        """A call whose body is read as it comes: its head (and a problem's body) by
+        ``timeout_s``, or the call's ``timeout`` (None: an event stream's, that waits)."""
+        head_s = kwargs.get("timeout", self.timeout_s)
+        outer = _READ_BY.get()  # a whole answer's (``request``): the head's too
+        deadline = _deadline(head_s) if outer is None else outer
+        heading = True
         try:
-            with self._client.stream(method, path, **_checked(kwargs)) as response:
-                raise_for_problem(response, self.url)
+            with ExitStack() as stack:
+                with _reads_by(deadline):
+                    response = stack.enter_context(self._client.stream(method, path, **_checked(kwargs)))
+                    raise_for_problem(response, self.url)
+                heading = False
                 yield response
         except httpx.TransportError as error:
+            if (heading or outer is not None) and deadline is not None and time.monotonic() >= deadline:
+                raise _late(self.url, head_s if outer is None else self.timeout_s) from None
             raise _unreachable(self.url, error) from None
 
-    def lines(self, response: httpx.Response) -> Iterator[str]:
-        """A streamed answer's lines, each at most ``ANSWER_MAX_BYTES``."""
-        lines = Lines(self.url)
+    def lines(self, response: httpx.Response, limit: int = ANSWER_MAX_BYTES) -> Iterator[str]:
+        """A streamed answer's lines, each at most ``limit`` bytes."""
+        lines = Lines(self.url, limit)
         for piece in response.iter_bytes():
             yield from lines.feed(piece)
         yield from lines.end()
 
+    def bulk(self, response: httpx.Response) -> Iterator[bytes]:
+        """A bulk body's pieces (a file's content, a download, artifacts), at ``Pace``."""
+        pace = Pace(self.url, self.timeout_s)
+        for piece in response.iter_bytes():
+            yield pace.check(piece)
+
     def content(self, path: str, params: Mapping[str, Any]) -> bytes:
         """A GET's body, gathered into one buffer as it arrives: about its size in memory,
         not twice (a response's ``content`` keeps the pieces, then joins them); at most a
-        file read's cap (``ReadFile.max_bytes``), as the local SDK's."""
+        file read's cap (``ReadFile.max_bytes``), as the local SDK's; at ``Pace``."""
         with self.stream("GET", path, params=params) as response:
             body = _Body(self.url, ReadFile.max_bytes, declared=_declared(response))
-            for piece in response.iter_bytes():
+            for piece in self.bulk(response):
                 body.add(piece)
         return body.take()
 
@@ -335,14 +492,16 @@ class AsyncHttp:
             base_url=self.url, headers=_headers(token), timeout=_timeout(timeout_s), transport=transport,
         )  # fmt: skip
 
-    async def request(self, method: str, path: str, **kwargs: Any) -> Answer:
+    async def request(
+        self, method: str, path: str, *, limit: int = ANSWER_MAX_BYTES, **kwargs: Any
+    ) -> Answer:
         """``Http.request``'s twin."""
         deadline = _deadline(self.timeout_s)
         # on asyncio the deadline holds for the head too (a head that drips is cut at it)
         timer = asyncio.timeout(self.timeout_s)
         try:
             async with timer, self.stream(method, path, **kwargs) as response:
-                body = _Body(self.url, ANSWER_MAX_BYTES, deadline=deadline, timeout_s=self.timeout_s,
+                body = _Body(self.url, limit, deadline=deadline, timeout_s=self.timeout_s,
                              declared=_declared(response))  # fmt: skip
                 async for piece in response.aiter_bytes():
                     body.add(piece)
@@ -354,27 +513,45 @@ class AsyncHttp:
 
     @asynccontextmanager
     async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+        """``Http.stream``'s twin: the head (and a problem's body) by ``timeout_s``, or the
+        call's ``timeout``."""
+        head_s = kwargs.get("timeout", self.timeout_s)
+        timer = asyncio.timeout(head_s)
         try:
-            async with self._client.stream(method, path, **_checked(kwargs)) as response:
-                await araise_for_problem(response, self.url)
+            async with AsyncExitStack() as stack:
+                async with timer:
+                    response = await stack.enter_async_context(
+                        self._client.stream(method, path, **_checked(kwargs))
+                    )
+                    await araise_for_problem(response, self.url)
                 yield response
+        except TimeoutError:
+            if not timer.expired():
+                raise
+            raise _late(self.url, head_s) from None
         except httpx.TransportError as error:
             raise _unreachable(self.url, error) from None
 
-    async def lines(self, response: httpx.Response) -> AsyncIterator[str]:
+    async def lines(self, response: httpx.Response, limit: int = ANSWER_MAX_BYTES) -> AsyncIterator[str]:
         """``Http.lines``'s twin."""
-        lines = Lines(self.url)
+        lines = Lines(self.url, limit)
         async for piece in response.aiter_bytes():
             for line in lines.feed(piece):
                 yield line
         for line in lines.end():
             yield line
 
+    async def bulk(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        """``Http.bulk``'s twin."""
+        pace = Pace(self.url, self.timeout_s)
+        async for piece in response.aiter_bytes():
+            yield pace.check(piece)
+
     async def content(self, path: str, params: Mapping[str, Any]) -> bytes:
         """``Http.content``'s twin."""
         async with self.stream("GET", path, params=params) as response:
             body = _Body(self.url, ReadFile.max_bytes, declared=_declared(response))
-            async for piece in response.aiter_bytes():
+            async for piece in self.bulk(response):
                 body.add(piece)
         return body.take()
 

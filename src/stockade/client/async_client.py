@@ -18,7 +18,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import check_timeout
-from stockade.client._http import AsyncHttp
+from stockade.client._http import DIFF_MAX_BYTES, LIST_MAX_BYTES, AsyncHttp, malformed_archive
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
 from stockade.client.async_sandbox import AsyncRemoteSandbox
@@ -118,7 +118,7 @@ class AsyncRemoteRun:
         return self
 
     async def diff(self) -> str:
-        return (await self.client.http.request("GET", f"/v1/runs/{self.id}/diff")).text
+        return (await self.client.http.request("GET", f"/v1/runs/{self.id}/diff", limit=DIFF_MAX_BYTES)).text
 
     async def artifacts(
         self,
@@ -133,13 +133,15 @@ class AsyncRemoteRun:
         inflated = Inflated(unpack.feed)
         try:
             async with self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response:
-                async for chunk in response.aiter_bytes():
+                async for chunk in self.client.http.bulk(response):
                     await asyncio.to_thread(inflated.feed, chunk)
             await asyncio.to_thread(inflated.finish)
             await asyncio.to_thread(unpack.finish)
-        except BaseException:
+        except BaseException as error:
             # Shielded: a second cancellation must not leave half a download behind.
             await asyncio.shield(asyncio.to_thread(unpack.abort))
+            if isinstance(error, exc.ProtocolError):
+                raise malformed_archive(self.client.http.url, error) from None
             raise
         return Path(dest)
 
@@ -215,7 +217,9 @@ class AsyncRuns:
     async def list(
         self, *, status: str | None = None, label: str | None = None, limit: int = 50
     ) -> list[AsyncRemoteRun]:
-        found = await self.client.http.request("GET", "/v1/runs", params=list_params(status, label, limit))
+        found = await self.client.http.request(
+            "GET", "/v1/runs", params=list_params(status, label, limit), limit=LIST_MAX_BYTES
+        )
         return [
             AsyncRemoteRun(self.client, r) for r in answer_list(self.client.http.url, found.json(), "runs")
         ]
@@ -244,12 +248,16 @@ class AsyncClient:
         return await AsyncRemoteSandbox.create(tier, client=self, **options)
 
     async def sandboxes(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = (await self.http.request("GET", "/v1/sandboxes")).json()
+        found: list[dict[str, Any]] = (
+            await self.http.request("GET", "/v1/sandboxes", limit=LIST_MAX_BYTES)
+        ).json()
         return found
 
     async def snapshots(self) -> list[dict[str, Any]]:
         """See ``Client.snapshots``."""
-        found: list[dict[str, Any]] = (await self.http.request("GET", "/v1/snapshots")).json()
+        found: list[dict[str, Any]] = (
+            await self.http.request("GET", "/v1/snapshots", limit=LIST_MAX_BYTES)
+        ).json()
         return found
 
     async def delete_snapshot(self, snapshot: Snapshot | str) -> None:
@@ -258,7 +266,9 @@ class AsyncClient:
 
     async def workspaces(self) -> list[dict[str, Any]]:
         """See ``Client.workspaces``."""
-        found: list[dict[str, Any]] = (await self.http.request("GET", "/v1/workspaces")).json()
+        found: list[dict[str, Any]] = (
+            await self.http.request("GET", "/v1/workspaces", limit=LIST_MAX_BYTES)
+        ).json()
         return found
 
     async def delete_workspace(self, workspace_id: str) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from stockade import exceptions as exc
 from stockade.client import _inputs
+from stockade.client._http import LIST_MAX_BYTES
 from stockade.client.sandbox import (
     TextCallback,
     archive_params,
@@ -37,6 +38,7 @@ from stockade.client.sandbox import (
     listing,
     path_params,
     range_params,
+    result_max_bytes,
     snapshot_value,
     streamed_line,
     upload_body,
@@ -115,7 +117,9 @@ class AsyncRemoteFiles:
         return entry(response.json())
 
     async def list(self, path: str = "", *, depth: int = 1) -> Listing:
-        response = await self._request("GET", "/files", params=path_params(path, depth=depth))
+        response = await self._request(
+            "GET", "/files", params=path_params(path, depth=depth), limit=LIST_MAX_BYTES
+        )
         return listing(response.json(), response.headers)
 
     async def stat(self, path: str) -> EntryInfo | None:
@@ -159,7 +163,7 @@ class AsyncRemoteFiles:
             async with self._sbx.client.http.stream(
                 "GET", f"{self._base}/archive", params=params
             ) as response:
-                async for chunk in response.aiter_bytes():
+                async for chunk in self._sbx.client.http.bulk(response):
                     await asyncio.to_thread(unpack.feed, chunk)
             return await asyncio.to_thread(unpack.finish)
         except BaseException:
@@ -250,12 +254,14 @@ class AsyncRemoteSandbox:
     async def _call(
         self, what: str, body: dict[str, Any], on_stdout: TextCallback | None, on_stderr: TextCallback | None
     ) -> dict[str, Any]:
-        path = f"/v1/sandboxes/{self.id}/{what}"
+        path, limit = f"/v1/sandboxes/{self.id}/{what}", result_max_bytes(self.info)
         if on_stdout is None and on_stderr is None:
-            data: dict[str, Any] = (await self.client.http.request("POST", path, json=body)).json()
+            data: dict[str, Any] = (
+                await self.client.http.request("POST", path, json=body, limit=limit)
+            ).json()
             return data
         async with self.client.http.stream("POST", path, json={**body, "stream": True}) as response:
-            async for line in self.client.http.lines(response):
+            async for line in self.client.http.lines(response, limit):
                 result = streamed_line(line, on_stdout, on_stderr)
                 if result is not None:
                     return result

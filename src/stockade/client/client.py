@@ -19,7 +19,15 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import check_labels, check_timeout
-from stockade.client._http import ANSWER_MAX_BYTES, Http, bad_answer, error_from
+from stockade.client._http import (
+    ANSWER_MAX_BYTES,
+    DIFF_MAX_BYTES,
+    LIST_MAX_BYTES,
+    Http,
+    bad_answer,
+    error_from,
+    malformed_archive,
+)
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
 from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
@@ -228,7 +236,7 @@ class RemoteRun:
         return self
 
     def diff(self) -> str:
-        return self.client.http.request("GET", f"/v1/runs/{self.id}/diff").text
+        return self.client.http.request("GET", f"/v1/runs/{self.id}/diff", limit=DIFF_MAX_BYTES).text
 
     def artifacts(
         self,
@@ -242,15 +250,18 @@ class RemoteRun:
         nothing written outside ``dest``, a link that leads out left out, at most
         ``max_bytes`` and ``max_entries`` (``FileTooLarge``); unpacked as it arrives."""
         host_path(dest, "dest")
-        with (
-            Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
-            self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response,
-        ):
-            inflated = Inflated(unpack.feed)
-            for chunk in response.iter_bytes():
-                inflated.feed(chunk)
-            inflated.finish()
-            unpack.finish()
+        try:
+            with (
+                Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
+                self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response,
+            ):
+                inflated = Inflated(unpack.feed)
+                for chunk in self.client.http.bulk(response):
+                    inflated.feed(chunk)
+                inflated.finish()
+                unpack.finish()
+        except exc.ProtocolError as error:
+            raise malformed_archive(self.client.http.url, error) from None
         return Path(dest)
 
     def delete_artifacts(self) -> None:
@@ -328,7 +339,7 @@ class Runs:
         self, *, status: str | None = None, label: str | None = None, limit: int = 50
     ) -> list[RemoteRun]:
         params = list_params(status, label, limit)
-        found = self.client.http.request("GET", "/v1/runs", params=params).json()
+        found = self.client.http.request("GET", "/v1/runs", params=params, limit=LIST_MAX_BYTES).json()
         return [RemoteRun(self.client, r) for r in answer_list(self.client.http.url, found, "runs")]
 
     def delete(self, run_id: str) -> None:
@@ -357,12 +368,12 @@ class Client:
         return RemoteSandbox.create(tier, client=self, **options)
 
     def sandboxes(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = self.http.request("GET", "/v1/sandboxes").json()
+        found: list[dict[str, Any]] = self.http.request("GET", "/v1/sandboxes", limit=LIST_MAX_BYTES).json()
         return found
 
     def snapshots(self) -> list[dict[str, Any]]:
         """Your tenant's snapshots and paused sandboxes (``paused``: the sandbox's id)."""
-        found: list[dict[str, Any]] = self.http.request("GET", "/v1/snapshots").json()
+        found: list[dict[str, Any]] = self.http.request("GET", "/v1/snapshots", limit=LIST_MAX_BYTES).json()
         return found
 
     def delete_snapshot(self, snapshot: Snapshot | str) -> None:
@@ -372,7 +383,7 @@ class Client:
 
     def workspaces(self) -> list[dict[str, Any]]:
         """Your uploaded workspaces (``id``, ``bytes``, ``uploaded_at``), newest first."""
-        found: list[dict[str, Any]] = self.http.request("GET", "/v1/workspaces").json()
+        found: list[dict[str, Any]] = self.http.request("GET", "/v1/workspaces", limit=LIST_MAX_BYTES).json()
         return found
 
     def delete_workspace(self, workspace_id: str) -> None:

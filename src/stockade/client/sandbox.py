@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from stockade import exceptions as exc
 from stockade._checks import check_envs, check_id, check_labels
 from stockade.client import _inputs
-from stockade.client._http import error_from
+from stockade.client._http import ANSWER_MAX_BYTES, LIST_MAX_BYTES, error_from
 from stockade.sandbox._requests import code_op, command_op, range_op, upload_op
 from stockade.sandbox.facade import tar_directory
-from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES, LISTING_TRUNCATED_HEADER
+from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES, LISTING_TRUNCATED_HEADER, ReadFile
 from stockade.types import (
     CommandResult,
     DownloadResult,
@@ -256,6 +256,17 @@ def streamed_line(
     return None
 
 
+def result_max_bytes(info: Mapping[str, Any]) -> int:
+    """What a command's or a ``run_code``'s result may take as JSON: its stdout, its stderr
+    and a ``run_code``'s results, each up to the sandbox's ``output_bytes`` (as the service
+    said it), each byte up to six escaped (``\\u0000``); at most a file read's cap."""
+    limits = info.get("limits")
+    output = limits.get("output_bytes") if isinstance(limits, Mapping) else None
+    if isinstance(output, bool) or not isinstance(output, int) or output < 1:
+        output = Limits().output_bytes
+    return min(ReadFile.max_bytes, ANSWER_MAX_BYTES + 3 * 6 * output)
+
+
 def ended_without_result() -> exc.ServiceUnavailable:
     return exc.ServiceUnavailable("the service ended the stream without a result")
 
@@ -313,7 +324,7 @@ class RemoteFiles:
 
     def list(self, path: str = "", *, depth: int = 1) -> Listing:
         response = self._sbx.client.http.request(
-            "GET", f"{self._base}/files", params=path_params(path, depth=depth)
+            "GET", f"{self._base}/files", params=path_params(path, depth=depth), limit=LIST_MAX_BYTES
         )
         return listing(response.json(), response.headers)
 
@@ -360,7 +371,7 @@ class RemoteFiles:
             Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
             self._sbx.client.http.stream("GET", f"{self._base}/archive", params=params) as response,
         ):
-            for chunk in response.iter_bytes():
+            for chunk in self._sbx.client.http.bulk(response):
                 unpack.feed(chunk)
             return unpack.finish()
 
@@ -452,12 +463,12 @@ class RemoteSandbox:
     def _call(
         self, what: str, body: dict[str, Any], on_stdout: TextCallback | None, on_stderr: TextCallback | None
     ) -> dict[str, Any]:
-        path = f"/v1/sandboxes/{self.id}/{what}"
+        path, limit = f"/v1/sandboxes/{self.id}/{what}", result_max_bytes(self.info)
         if on_stdout is None and on_stderr is None:
-            data: dict[str, Any] = self.client.http.request("POST", path, json=body).json()
+            data: dict[str, Any] = self.client.http.request("POST", path, json=body, limit=limit).json()
             return data
         with self.client.http.stream("POST", path, json={**body, "stream": True}) as response:
-            for line in self.client.http.lines(response):
+            for line in self.client.http.lines(response, limit):
                 result = streamed_line(line, on_stdout, on_stderr)
                 if result is not None:
                     return result

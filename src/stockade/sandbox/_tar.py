@@ -34,7 +34,9 @@ _REFUSED = (tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_SPARSE)
 
 
 def malformed(why: str) -> exc.ProtocolError:
-    return exc.ProtocolError(f"the sandbox sent a malformed archive: {why}")
+    error = exc.ProtocolError(f"the sandbox sent a malformed archive: {why}")
+    error.why = why
+    return error
 
 
 @dataclass(frozen=True, slots=True)

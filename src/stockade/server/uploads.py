@@ -264,7 +264,7 @@ def unpack_archive(data: bytes, dest: Path, *, max_bytes: int, max_entries: int 
         return result.files
     except exc.ProtocolError as error:
         remove_tree(dest)
-        raise _unpackable(error) from None
+        raise _unpackable(error.why or error) from None
     except (OSError, EOFError, zlib.error, lzma.LZMAError) as error:
         remove_tree(dest)
         raise _unpackable(error) from None

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from stockade import exceptions as exc
-from stockade.client import AsyncClient, Client
+from stockade.client import AsyncClient, AsyncRemoteSandbox, Client, RemoteSandbox
+from stockade.client._http import PACE_BYTES
 from stockade.client.client import EventLines
 from stockade.runs.seeds import pack_workspace
 from tests.hostile_archives import escaping_tar
@@ -93,6 +94,10 @@ def service() -> Iterator[Service]:
             found.hits.append(path)
             found.answers.get(path, body(b'{"error": "ResourceNotFound"}', 404))(self)
 
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.do_GET()
+
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -103,15 +108,17 @@ def service() -> Iterator[Service]:
     server.server_close()
 
 
-def artifacts(service: Service, dest: Path, *, use_async: bool, **limits: int) -> Path:
+def artifacts(
+    service: Service, dest: Path, *, use_async: bool, timeout_s: float = 120.0, **limits: int
+) -> Path:
     """``client.runs.get("r1").artifacts(dest)``, on the sync or the async client."""
     service.answers.setdefault("/v1/runs/r1", body(RUN))
     if not use_async:
-        with Client(service.url, TOKEN) as client:
+        with Client(service.url, TOKEN, timeout_s=timeout_s) as client:
             return client.runs.get("r1").artifacts(dest, **limits)
 
     async def fetch() -> Path:
-        client = AsyncClient(service.url, TOKEN)
+        client = AsyncClient(service.url, TOKEN, timeout_s=timeout_s)
         try:
             return await (await client.runs.get("r1")).artifacts(dest, **limits)
         finally:
@@ -207,11 +214,17 @@ def test_a_runs_artifacts_as_the_service_packs_them_come_through(
     assert not os.path.lexists(out / "venv-python")
 
 
-def test_a_gzip_cut_short_is_refused(service: Service, tmp_path: Path) -> None:
+@both
+def test_a_gzip_cut_short_is_the_services_answer_refused(
+    service: Service, tmp_path: Path, use_async: bool
+) -> None:
+    """The service packed the artifacts: the error names it, not a sandbox."""
     whole = gzip.compress(pack_workspace(tmp_path).data)  # any gzip, cut in the middle
     service.answers["/v1/runs/r1/artifacts"] = body(whole[: len(whole) // 2])
-    with pytest.raises(exc.StockadeError):
-        artifacts(service, tmp_path / "out", use_async=False)
+    with pytest.raises(exc.ServiceError, match=r"^the service at .* a malformed archive: the gzip") as raised:
+        artifacts(service, tmp_path / "out", use_async=use_async)
+    assert not raised.value.retryable  # the same request gets the same archive
+    assert "sandbox" not in str(raised.value)
     assert not (tmp_path / "out").exists()
 
 
@@ -256,15 +269,172 @@ def test_an_error_whose_body_never_ends_is_read_only_as_far_as_a_problem_goes(
 @both
 def test_a_body_that_drips_ends_at_the_clients_timeout(service: Service, use_async: bool) -> None:
     """httpx's read timeout is per piece: a byte every 0.1 s never trips a 1 s one."""
-
-    def drip() -> Iterator[bytes]:
-        for _ in range(100):  # ten seconds of it
-            time.sleep(0.1)
-            yield b" "
-
     service.answers["/v1/runs/r1"] = chunked(drip(), service)
     with pytest.raises(exc.ServiceUnavailable, match=r"did not answer within 1\.0 s"):
         get_run(service, use_async=use_async, timeout_s=1.0)
+
+
+def drip(pieces: int = 100, piece: bytes = b" ", every_s: float = 0.1) -> Iterator[bytes]:
+    """``pieces`` pieces, one every ``every_s``: ten seconds of a byte at a time by default."""
+    for _ in range(pieces):
+        time.sleep(every_s)
+        yield piece
+
+
+def trickle(data: bytes) -> Iterator[bytes]:
+    """``data``, a byte every 0.1 s."""
+    for at in range(len(data)):
+        time.sleep(0.1)
+        yield data[at : at + 1]
+
+
+def read_file(service: Service, *, use_async: bool, timeout_s: float) -> bytes:
+    """``sbx.files.read("a.txt", format="bytes")`` on the sync or the async client."""
+    info = {"id": "sbx_1", "tier": "process", "state": "running"}
+    if not use_async:
+        with Client(service.url, TOKEN, timeout_s=timeout_s) as client:
+            return RemoteSandbox(client, info).files.read("a.txt", format="bytes")
+
+    async def fetch() -> bytes:
+        client = AsyncClient(service.url, TOKEN, timeout_s=timeout_s)
+        try:
+            return await AsyncRemoteSandbox(client, info).files.read("a.txt", format="bytes")
+        finally:
+            await client.aclose()
+
+    import asyncio
+
+    return asyncio.run(fetch())
+
+
+CONTENT = "/v1/sandboxes/sbx_1/files/content"
+
+
+@both
+def test_a_file_whose_content_drips_ends_at_the_clients_timeout(service: Service, use_async: bool) -> None:
+    """A file's content may take longer than ``timeout_s``, not a byte at a time: it must
+    keep coming at ``PACE_BYTES`` per ``timeout_s``."""
+    service.answers[CONTENT] = chunked(drip(), service)
+    with pytest.raises(exc.ServiceUnavailable, match=r"less than 65,536 bytes in 1\.0 s") as raised:
+        read_file(service, use_async=use_async, timeout_s=1.0)
+    assert raised.value.retryable
+    assert service.done.wait(30)
+    assert service.sent < 100  # it ended while the service still had bytes to send
+
+
+@both
+def test_a_file_that_keeps_coming_is_read_past_the_timeout(service: Service, use_async: bool) -> None:
+    """A large body on a slow link is no drip: twelve pieces of ``PACE_BYTES``, 0.2 s apart,
+    take longer than a 1 s ``timeout_s`` and are read whole."""
+    service.answers[CONTENT] = chunked(drip(12, b"x" * PACE_BYTES, every_s=0.2), service)
+    assert read_file(service, use_async=use_async, timeout_s=1.0) == b"x" * PACE_BYTES * 12
+
+
+@both
+def test_artifacts_that_drip_end_at_the_clients_timeout_with_nothing_left_behind(
+    service: Service, tmp_path: Path, use_async: bool
+) -> None:
+    stored = gzip.compress(bytes(400), compresslevel=0)  # a gzip stream, sent a byte at a time
+    service.answers["/v1/runs/r1/artifacts"] = chunked(trickle(stored), service)
+    with pytest.raises(exc.ServiceUnavailable, match="less than 65,536 bytes"):
+        artifacts(service, tmp_path / "out", use_async=use_async, timeout_s=1.0)
+    assert service.done.wait(30)
+    assert service.sent < len(stored)  # it ended while the service still had bytes to send
+    assert not (tmp_path / "out").exists()
+
+
+def dripped_head(service: Service, length: int = 200) -> Answer:
+    """A status line and headers a byte every 0.05 s: ten seconds of a head."""
+    head = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * length + b"\r\nContent-Length: 2\r\n\r\n{}"
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        try:
+            for byte in head:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                service.sent += 1
+                time.sleep(0.05)
+        except OSError:
+            pass
+        finally:
+            service.done.set()
+
+    return answer
+
+
+@both
+def test_a_head_that_drips_ends_at_the_clients_timeout(service: Service, use_async: bool) -> None:
+    """httpx's read timeout is per piece on the head too; sync and async end it by ``timeout_s``."""
+    service.answers["/v1/runs/r1"] = dripped_head(service)
+    with pytest.raises(exc.ServiceUnavailable, match=r"did not answer within 1\.0 s"):
+        get_run(service, use_async=use_async, timeout_s=1.0)
+    assert service.done.wait(30)
+    assert service.sent < 200  # of its 249 bytes: it ended while the service still had more to send
+
+
+def zeros(megabytes: int) -> bytes:
+    """``[0,0,...]``: parsed, each two bytes a list item (a 256 MiB one took 1.5 GiB)."""
+    return b"[" + b"0," * ((megabytes << 19) - 1) + b"0]"
+
+
+@both
+def test_a_json_answer_is_refused_past_a_few_mib_not_parsed(service: Service, use_async: bool) -> None:
+    service.answers["/v1/runs/r1"] = chunked(iter([zeros(1)] * 64), service)
+    with pytest.raises(exc.ServiceError, match="a body over 8,388,608 bytes"):
+        get_run(service, use_async=use_async)
+    assert service.done.wait(30)
+    assert service.sent < 64 << 20  # the client hung up at the cap: what it took is in socket buffers
+
+
+def run_command(service: Service, *, use_async: bool, output_bytes: int, stream: bool) -> Any:
+    """``sbx.commands.run("make")`` on a sandbox whose ``output_bytes`` the service gave."""
+    info = {"id": "sbx_1", "tier": "process", "state": "running", "limits": {"output_bytes": output_bytes}}
+    seen: list[str] = []
+    on_stdout = seen.append if stream else None
+    if not use_async:
+        with Client(service.url, TOKEN) as client:
+            return RemoteSandbox(client, info).commands.run("make", on_stdout=on_stdout)
+
+    async def call() -> Any:
+        client = AsyncClient(service.url, TOKEN)
+        try:
+            return await AsyncRemoteSandbox(client, info).commands.run("make", on_stdout=on_stdout)
+        finally:
+            await client.aclose()
+
+    import asyncio
+
+    return asyncio.run(call())
+
+
+def command_answer(stdout: str, *, stream: bool) -> bytes:
+    result = {"exit_code": 0, "stdout": stdout, "stderr": stdout, "duration_s": 0.1}
+    if stream:
+        return json.dumps({"type": "result", "result": result}).encode() + b"\n"
+    return json.dumps(result).encode()
+
+
+@both
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "ndjson"])
+def test_a_commands_result_may_be_as_large_as_the_sandboxs_output_bytes_make_it(
+    service: Service, use_async: bool, stream: bool
+) -> None:
+    """Its stdout and stderr are each up to ``output_bytes``, six bytes of JSON a byte at
+    worst (``\\u0000``): past ``ANSWER_MAX_BYTES``, and read whole."""
+    stdout = "\x00" * (1 << 20)  # 6 MiB of JSON each
+    service.answers["/v1/sandboxes/sbx_1/commands"] = body(command_answer(stdout, stream=stream))
+    result = run_command(service, use_async=use_async, output_bytes=1 << 20, stream=stream)
+    assert result.stdout == stdout
+
+
+@both
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "ndjson"])
+def test_a_commands_result_past_what_output_bytes_allows_is_refused(
+    service: Service, use_async: bool, stream: bool
+) -> None:
+    service.answers["/v1/sandboxes/sbx_1/commands"] = body(command_answer("x" * (9 << 20), stream=stream))
+    with pytest.raises(exc.ServiceError, match="over 8,407,040 bytes"):  # 8 MiB and 18 x 1 KiB
+        run_command(service, use_async=use_async, output_bytes=1024, stream=stream)
 
 
 def test_a_line_of_a_stream_is_refused_past_its_limit_not_gathered() -> None:
