@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from stockade import exceptions as exc
 from stockade._checks import check_envs, check_id, check_labels
@@ -56,13 +57,35 @@ if TYPE_CHECKING:
 __all__ = ["RemoteSandbox"]
 
 TextCallback = Callable[[str], object]
+_T = TypeVar("_T")
 
 
+def _decoder(function: Callable[[Any], _T]) -> Callable[[Any], _T]:
+    """``function`` turning a field the service left out or sent of another type (a hostile or
+    broken service: KeyError, TypeError, ValueError) into ``ServiceError``: the same request
+    gets the same answer, so retrying cannot help."""
+
+    @functools.wraps(function)
+    def decode(data: Any) -> _T:
+        try:
+            return function(data)
+        except exc.StockadeError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise exc.ServiceError(
+                f"the service sent an answer the client cannot use ({function.__name__}): {error!r}"
+            ) from None
+
+    return decode
+
+
+@_decoder
 def command_result(data: Mapping[str, Any]) -> CommandResult:
     fields = {f.name for f in dataclasses.fields(CommandResult)}
     return CommandResult(**{k: v for k, v in data.items() if k in fields})
 
 
+@_decoder
 def execution(data: Mapping[str, Any]) -> Execution:
     error = data.get("error")
     return Execution(
@@ -75,6 +98,7 @@ def execution(data: Mapping[str, Any]) -> Execution:
     )
 
 
+@_decoder
 def entry(data: Mapping[str, Any]) -> EntryInfo:
     return EntryInfo(
         path=data["path"], name=data["name"], type=EntryType(data["type"]), size=int(data["size"]),
@@ -88,6 +112,7 @@ def listing(data: Sequence[Mapping[str, Any]], headers: Mapping[str, str]) -> Li
     return Listing((entry(e) for e in data), truncated=headers.get(LISTING_TRUNCATED_HEADER) == "true")
 
 
+@_decoder
 def enforcement(data: Mapping[str, Any]) -> Enforcement:
     host = data.get("host")
     names = ("memory", "cpus", "pids", "disk", "network", "timeout", "files", "ptys")

@@ -498,3 +498,20 @@ def test_an_odd_answer_is_a_typed_error_that_says_whether_retrying_helps(
     assert raised.value.retryable is retryable
     assert raised.value.retry_after is None  # no wait a caller could sleep
     assert service.hits == ["/v1/runs/r1"]  # the redirect was not followed
+
+
+@both
+@pytest.mark.parametrize(
+    "result",
+    [{"exit_code": 0, "stdout": ""}, []],
+    ids=["fields left out", "not an object"],
+)
+def test_a_commands_result_the_client_cannot_use_is_a_service_error(
+    service: Service, use_async: bool, result: object
+) -> None:
+    """A hostile or broken service's result: a typed error, not the TypeError or KeyError of
+    building the value from it."""
+    service.answers["/v1/sandboxes/sbx_1/commands"] = body(json.dumps(result).encode())
+    with pytest.raises(exc.ServiceError, match="cannot use") as raised:
+        run_command(service, use_async=use_async, output_bytes=1024, stream=False)
+    assert raised.value.retryable is False
