@@ -321,11 +321,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         else:
             truncated = True
 
-    algorithm = head.algorithm if head is not None else chain.algorithm
-    check_hashes = head is None or head.algorithm == chain.algorithm
-    if not check_hashes:
-        wanted = "a key (it is keyed)" if algorithm == "hmac-sha256" else "no key (it is not keyed)"
-        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}")
+    algorithm, check_hashes = _algorithm(head, chain, report)
 
     link = chain.link
     strings: dict[str, str] = {}  # decoded JSON strings (run ids and kinds repeat)
@@ -561,6 +557,17 @@ def _mismatches(
     return found
 
 
+def _algorithm(head: Head | None, chain: Chain, report: _Report) -> tuple[str, bool]:
+    """The chain's algorithm (the head's, where there is one) and whether the hashes can be
+    checked with the key given: a wrong key is reported once, and no hash is then judged."""
+    algorithm = head.algorithm if head is not None else chain.algorithm
+    check_hashes = head is None or head.algorithm == chain.algorithm
+    if not check_hashes:
+        wanted = "a key (it is keyed)" if algorithm == "hmac-sha256" else "no key (it is not keyed)"
+        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}", "")
+    return algorithm, check_hashes
+
+
 def verify_run(  # noqa: C901 - the run's events, then the links and the head around them
     store: AuditStore,
     run_id: str,
@@ -604,11 +611,7 @@ def verify_run(  # noqa: C901 - the run's events, then the links and the head ar
         else:
             truncated = True
 
-    algorithm = head.algorithm if head is not None else chain.algorithm
-    check_hashes = head is None or head.algorithm == chain.algorithm
-    if not check_hashes:
-        wanted = "a key (it is keyed)" if algorithm == "hmac-sha256" else "no key (it is not keyed)"
-        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}")
+    algorithm, check_hashes = _algorithm(head, chain, report)
 
     book = _Book(run_id, ledger is not None)
     strings: dict[str, str] = {}
