@@ -17,7 +17,6 @@ the call expects (not JSON, a redirect, a field missing) is a ``ServiceError``.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import math
 import os
@@ -25,21 +24,21 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import check_timeout
 from stockade._gather import Gathered
 from stockade.client import _inputs
+from stockade.client._deadlines import read_by, reads_by, with_deadlines
 from stockade.sandbox.ops import ReadFile
 from stockade.sandbox.supervisor.protocol import MAX_LIST_JSON
 from stockade.tools.workspace_diff import MAX_DIFF_BYTES
 
 try:
-    import httpcore2 as httpcore
     import httpx2 as httpx
 except ModuleNotFoundError:  # pragma: no cover - the extra is missing
-    httpx = httpcore = None  # type: ignore[assignment]
+    httpx = None  # type: ignore[assignment]
 
 __all__ = [
     "ANSWER_MAX_BYTES", "DIFF_MAX_BYTES", "LIST_MAX_BYTES", "PACE_BYTES", "PROBLEM_MAX_BYTES", "Answer",
@@ -190,89 +189,6 @@ class Pace:
         return piece
 
 
-# When the read in flight on this thread must end (monotonic), whatever httpx's per-read
-# timeout says: a head that drips a byte a second never trips that (it read 16 KiB of one
-# for 30 s at timeout_s=3). The sync client's sockets check it (``_ByDeadline``).
-_READ_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar("stockade_read_by", default=None)
-
-
-@contextmanager
-def _reads_by(deadline: float | None) -> Iterator[None]:
-    token = _READ_BY.set(deadline)
-    try:
-        yield
-    finally:
-        _READ_BY.reset(token)
-
-
-class _Stream(Protocol):  # httpcore's NetworkStream, as far as _ByDeadline uses it
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes: ...
-    def write(self, buffer: bytes, timeout: float | None = None) -> None: ...
-    def close(self) -> None: ...
-    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                  timeout: float | None = None) -> Any: ...  # fmt: skip
-    def get_extra_info(self, info: str) -> Any: ...
-
-
-class _ByDeadline:
-    """A connection whose reads end at ``_READ_BY``: each waits at most what is left."""
-
-    def __init__(self, stream: _Stream) -> None:
-        self._stream = stream
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        deadline = _READ_BY.get()
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise httpcore.ReadTimeout("past the call's deadline (timeout_s)")
-            timeout = left if timeout is None else min(timeout, left)
-        return self._stream.read(max_bytes, timeout)
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, timeout)
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                  timeout: float | None = None) -> _ByDeadline:  # fmt: skip
-        return _ByDeadline(self._stream.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _Backend:
-    """httpcore's sync network backend, its connections ``_ByDeadline``."""
-
-    def __init__(self) -> None:
-        self._backend = httpcore.SyncBackend()
-
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                    local_address: str | None = None, socket_options: Any = None) -> _ByDeadline:  # fmt: skip
-        return _ByDeadline(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
-
-    def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options: Any = None) -> _ByDeadline:  # fmt: skip
-        return _ByDeadline(self._backend.connect_unix_socket(path, timeout, socket_options))
-
-    def sleep(self, seconds: float) -> None:
-        self._backend.sleep(seconds)
-
-
-def _with_deadlines(client: Any) -> Any:
-    """``client`` (an ``httpx2.Client``), its connection pools' reads ``_ByDeadline``: the
-    default transport's and the proxies' httpx mounts from the environment (httpx takes no
-    network backend; httpcore's pool does, and makes no connection before the first call).
-    A transport of the caller's with no such pool is left as it is."""
-    for transport in (client._transport, *client._mounts.values()):
-        pool = getattr(transport, "_pool", None)
-        if isinstance(pool, httpcore.ConnectionPool):
-            pool._network_backend = _Backend()  # type: ignore[assignment]
-    return client
-
-
 class _Body:
     """A body gathered as it arrives, up to ``limit`` bytes and by ``deadline`` (monotonic):
     over the limit it is ``cut`` (a problem document: what came is enough to name the error)
@@ -420,14 +336,14 @@ class Http:
                  transport: Any = None) -> None:  # fmt: skip
         self.url, token = _settings(url, token)
         self.timeout_s = check_timeout(timeout_s)
-        self._client = _with_deadlines(httpx.Client(
+        self._client = with_deadlines(httpx.Client(
             base_url=self.url, headers=_headers(token), timeout=_timeout(timeout_s), transport=transport,
         ))  # fmt: skip
 
     def request(self, method: str, path: str, *, limit: int = ANSWER_MAX_BYTES, **kwargs: Any) -> Answer:
         """One call, its answer read whole: at most ``limit`` bytes, by ``timeout_s``."""
         deadline = _deadline(self.timeout_s)
-        with _reads_by(deadline), self.stream(method, path, **kwargs) as response:
+        with reads_by(deadline), self.stream(method, path, **kwargs) as response:
             body = _Body(self.url, limit, deadline=deadline, timeout_s=self.timeout_s,
                          declared=_declared(response))  # fmt: skip
             for piece in response.iter_bytes():
@@ -439,12 +355,12 @@ class Http:
         """A call whose body is read as it comes: its head (and a problem's body) by
         ``timeout_s``, or the call's ``timeout`` (None: an event stream's, that waits)."""
         head_s = kwargs.get("timeout", self.timeout_s)
-        outer = _READ_BY.get()  # a whole answer's (``request``): the head's too
+        outer = read_by()  # a whole answer's (``request``): the head's too
         deadline = _deadline(head_s) if outer is None else outer
         heading = True
         try:
             with ExitStack() as stack:
-                with _reads_by(deadline):
+                with reads_by(deadline):
                     response = stack.enter_context(self._client.stream(method, path, **_checked(kwargs)))
                     raise_for_problem(response, self.url)
                 heading = False
