@@ -35,7 +35,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade._checks import MAX_TIMEOUT_S, check_number
 from stockade.sandbox import _registry
-from stockade.sandbox._startup import from_snapshot, sandbox_spec
+from stockade.sandbox._startup import from_snapshot, sandbox_spec, store_of
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, Reset, RunCode
@@ -131,6 +131,8 @@ class SandboxPool:
         self.max_uses = max_uses
         self.idle_timeout_s = idle_timeout_s
         self._spec = sandbox_spec(limits, network, envs, allow_weaker, None, rules=rules, approver=approver)
+        # the snapshot each member starts from, its objects kept while a member reads them
+        self._source = (store_of(snapshot, store), snapshot) if snapshot is not None else None
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
             tier, self._spec = from_snapshot(snapshot, store, None, self._spec, given)
@@ -286,6 +288,14 @@ class SandboxPool:
         with contextlib.suppress(exc.StockadeError):
             self._backend.prepare_for(self._spec)
 
+    def _reading(self) -> contextlib.AbstractContextManager[object]:
+        """While a member starts from the pool's snapshot: its objects kept, even if the
+        snapshot is deleted meanwhile (``SnapshotStore.reading``; then no member after)."""
+        if self._source is None:
+            return contextlib.nullcontext()
+        store, snapshot = self._source
+        return store.reading(snapshot)
+
     def _refill(self) -> None:
         while not self._closed.is_set():
             with self._lock:
@@ -294,7 +304,8 @@ class SandboxPool:
                     return
                 self._pending += 1
             try:
-                instance = self._backend.start(self._spec)
+                with self._reading():
+                    instance = self._backend.start(self._spec)
             except exc.StockadeError as err:
                 self._error = err
                 with self._lock:

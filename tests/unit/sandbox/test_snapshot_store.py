@@ -460,6 +460,21 @@ def test_a_snapshot_deleted_while_it_is_restored_comes_back_whole_and_then_goes(
     assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
 
 
+def test_a_pool_filling_from_a_snapshot_deleted_meanwhile_keeps_what_its_member_reads(tmp_path: Path) -> None:
+    """A pool's members start from its snapshot as a create does: the member whose start the
+    deletion caught comes up whole; no member starts from the deleted snapshot after it."""
+    from stockade import SandboxPool
+
+    store = SnapshotStore(tmp_path / "snaps")
+    with Sandbox.create(backend=FakeBackend()) as sbx:
+        sbx.files.write("data.txt", "kept")
+        taken = sbx.snapshot(store=store)
+    pool = SandboxPool(backend=DeletedWhileRestoring(), size=1, snapshot=taken, store=store)
+    with pool, pool.acquire(timeout_s=10) as member:
+        assert member.files.read("data.txt") == "kept"
+    assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
+
+
 async def test_an_async_restore_keeps_them_too(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "snaps")
     async with await AsyncSandbox.create(backend=FakeBackend()) as sbx:
