@@ -1039,6 +1039,14 @@ class ServiceStore:
         )
         return [(_int(r[0]), str(r[1]), str(r[2])) for r in rows]
 
+    def audit_last_seq(self, namespace: str, run_id: str, after_seq: int) -> int | None:
+        """The newest ``seq`` of a run's audit events past ``after_seq`` (None: none came):
+        what a live page polls, one row read by the run's index however many came."""
+        rows = self.db.query(
+            f"SELECT MAX(seq) FROM {namespace}_events WHERE run_id = ? AND seq > ?", (run_id, after_seq)
+        )
+        return None if not rows or rows[0][0] is None else _int(rows[0][0])
+
     def close(self) -> None:
         self.db.close()
 

@@ -118,3 +118,22 @@ def test_the_runs_due_for_erasure_are_those_that_ended_before_the_cutoff(
 def test_a_retention_is_positive_days() -> None:
     with pytest.raises(exc.ConfigurationError, match="keep_runs_days"):
         ServiceConfig(tenants=Tenants(tenants={}, tokens={}), keep_runs_days=0)
+
+
+def test_a_live_page_learns_a_runs_newest_event_however_many_came(
+    stores: tuple[ServiceStore, RunStore], tmp_path: Path
+) -> None:
+    """What the viewer's live page polls: the newest seq of the run past the one it shows (it
+    read up to 500 whole rows to name the 500th), none where nothing came."""
+    from stockade.audit import AuditLog, EventKind, SQLiteStore
+
+    service, _ = stores
+    with SQLiteStore(tmp_path / "service.db", namespace="t_acme") as audit:
+        log = AuditLog(audit, flush_interval_s=None)
+        for i in range(600):
+            log.record(EventKind.TOOL_CALL, run_id="r1" if i % 3 else "r2")
+        log.close()
+        newest = max(row.seq for row in audit.rows(run_id="r1"))
+    assert service.audit_last_seq("t_acme", "r1", 0) == newest
+    assert service.audit_last_seq("t_acme", "r1", newest) is None
+    assert service.audit_last_seq("t_acme", "nope", 0) is None

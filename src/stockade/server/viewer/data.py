@@ -709,8 +709,8 @@ class ServiceRuns:
             return None
         service = self.service
         service.audit.get(self.principal.tenant)  # its tables exist
-        rows = service.store.audit_rows(self.principal.tenant.audit_namespace, run_id, after_seq)
-        return (rows[-1][0] if rows else after_seq), row.status
+        newest = service.store.audit_last_seq(self.principal.tenant.audit_namespace, run_id, after_seq)
+        return (after_seq if newest is None else newest), row.status
 
     def decide(self, run_id: str, request_id: str, choice: Choice) -> None:
         from stockade.server.runs import decide_approval
