@@ -37,6 +37,7 @@ from stockade.types import (
     Enforcement,
     EntryInfo,
     EntryType,
+    ExecRecord,
     Execution,
     ExecutionError,
     HostShare,
@@ -79,10 +80,23 @@ def _decoder(function: Callable[[Any], _T]) -> Callable[[Any], _T]:
     return decode
 
 
+def _execs(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A result's ``execs`` as ``ExecRecord``s (JSON gives dicts and lists) and its count of
+    those left out."""
+    names = {f.name for f in dataclasses.fields(ExecRecord)}
+    records: list[ExecRecord] = []
+    for record in data.get("execs") or ():
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in names
+        }
+        records.append(ExecRecord(**fields))
+    return {"execs": tuple(records), "execs_omitted": int(data.get("execs_omitted", 0))}
+
+
 @_decoder
 def command_result(data: Mapping[str, Any]) -> CommandResult:
-    fields = {f.name for f in dataclasses.fields(CommandResult)}
-    return CommandResult(**{k: v for k, v in data.items() if k in fields})
+    fields = {f.name for f in dataclasses.fields(CommandResult)} - {"execs", "execs_omitted"}
+    return CommandResult(**{k: v for k, v in data.items() if k in fields}, **_execs(data))
 
 
 @_decoder
@@ -95,6 +109,7 @@ def execution(data: Mapping[str, Any]) -> Execution:
         duration_s=float(data.get("duration_s", 0.0)),
         timed_out=bool(data.get("timed_out", False)),
         truncated=bool(data.get("truncated", False)),
+        **_execs(data),
     )
 
 

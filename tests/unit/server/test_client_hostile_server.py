@@ -25,6 +25,7 @@ from stockade.client import AsyncClient, AsyncRemoteSandbox, Client, RemoteSandb
 from stockade.client._http import PACE_BYTES
 from stockade.client.client import EventLines
 from stockade.runs.seeds import pack_workspace
+from stockade.types import ExecRecord
 from tests.hostile_archives import escaping_tar
 
 TOKEN = "stk_" + "a" * 40
@@ -515,3 +516,28 @@ def test_a_commands_result_the_client_cannot_use_is_a_service_error(
     with pytest.raises(exc.ServiceError, match="cannot use") as raised:
         run_command(service, use_async=use_async, output_bytes=1024, stream=False)
     assert raised.value.retryable is False
+
+
+@both
+def test_the_execs_a_result_lists_come_back_as_exec_records(service: Service, use_async: bool) -> None:
+    """A command's result lists what the sandbox's rules judged: as the local SDK gives them
+    (``ExecRecord``s, argv a tuple), not the JSON's dicts and lists."""
+    judged = {
+        "path": "/usr/bin/rm",
+        "argv": ["rm", "-r", "x"],
+        "verdict": "refuse",
+        "rule": "commands.approve: rm -r",
+    }
+    result = {
+        "exit_code": 126,
+        "stdout": "",
+        "stderr": "",
+        "duration_s": 0.1,
+        "execs": [judged],
+        "execs_omitted": 2,
+    }
+    service.answers["/v1/sandboxes/sbx_1/commands"] = body(json.dumps(result).encode())
+    got = run_command(service, use_async=use_async, output_bytes=1024, stream=False)
+    assert got.execs == (ExecRecord(path="/usr/bin/rm", argv=("rm", "-r", "x"), verdict="refuse",
+                                    rule="commands.approve: rm -r"),)  # fmt: skip
+    assert got.execs_omitted == 2
