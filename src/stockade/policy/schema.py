@@ -430,6 +430,11 @@ class Policy(_Strict):
                 if self.roles and role not in self.roles:
                     raise ValueError(f"data_access.{tier.value} names role {role!r}, which is not in [roles]")
         for name, granted in self.roles.items():
+            if not name.strip() or name != name.strip():
+                # what the service keeps for "no role" (a token without one, rows from before
+                # roles) is the empty name: a role of that name, or one only spaces tell
+                # apart, would be read as it
+                raise ValueError(f"roles.{name!r}: a role's name is words, not empty or padded with spaces")
             for credential in granted.credentials:
                 if credential not in self.credentials:
                     raise ValueError(

@@ -226,3 +226,13 @@ def test_a_snapshot_is_judged_as_reading_the_sandbox(tmp_path: Path) -> None:
         assert allowed.op(op).allowed  # no longer an unknown operation, denied as such
         denied = reads_denied.op(op)
         assert denied.verdict is Verdict.DENY and "read" in denied.rule
+
+
+@pytest.mark.parametrize("name", ["", " ", " dev", "dev "])
+def test_a_role_is_named(tmp_path: Path, name: str) -> None:
+    """The service reads the empty name as "no role" (a token without one, rows kept before
+    roles): a role named so, or told apart only by spaces, is refused where it is declared."""
+    file = tmp_path / "policy.toml"
+    file.write_text(f'version = 1\n[roles."{name}"]\ntiers = ["process"]\n')
+    with pytest.raises(exc.PolicyFileError, match="a role's name is words"):
+        load_policy(file)
