@@ -212,21 +212,24 @@ def streamed(
                     kind, payload = await asyncio.wait_for(outbox.take(), RECHECK_S)
                 except TimeoutError:  # nothing printed for a while: the token is asked all the same
                     kind, payload = "", None
-                # the result (all of the output again) is never sent on an old check
-                if time.monotonic() - checked >= RECHECK_S or kind == "result":
+                if kind != "result" and time.monotonic() - checked >= RECHECK_S:
                     checked = time.monotonic()
                     try:
                         await anyio.to_thread.run_sync(lambda: recheck(request, caller))
                     except exc.AuthenticationError as error:
-                        if kind == "result":  # withheld: what it held goes back
-                            payload[1].release()
                         yield line("error", from_error(error, request.url.path).body)
                         return
                 if not kind:
                     continue
                 if kind == "result":
                     result, hold = payload
-                    try:
+                    try:  # what it holds goes back however this ends (a client gone mid-check too)
+                        # the result (all of the output again) is never sent on an old check
+                        try:
+                            await anyio.to_thread.run_sync(lambda: recheck(request, caller))
+                        except exc.AuthenticationError as error:
+                            yield line("error", from_error(error, request.url.path).body)
+                            return
                         yield result  # back here once the server has handed it to the socket
                     finally:
                         hold.release()
