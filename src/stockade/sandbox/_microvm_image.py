@@ -135,13 +135,28 @@ MESSAGE = 41
 def reap(*_):
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             os._exit(0)
         if pid == 0:
             return
         if pid == SANDBOX:  # the sandbox ended: so does the guest (PID 1's exit)
+            said(status)
             os._exit(0)
+
+
+def said(status):
+    # On the console (a file of the host's, read into the error of a sandbox that died
+    # unasked): how the sandbox's init ended, and the guest kernel's kills for memory.
+    how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+    kills = "?"
+    try:
+        with open("/proc/vmstat", "rb") as fh:
+            kills = next((ln.split()[1].decode() for ln in fh if ln.startswith(b"oom_kill ")), "?")
+    except OSError:
+        pass
+    line = f"stockade: the sandbox ended ({how}); processes the guest killed for memory: {kills}"
+    os.write(2, line.encode() + b"\\n")
 
 
 def seed(data):
