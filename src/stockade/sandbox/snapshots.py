@@ -42,6 +42,7 @@ folder is root's alone (0700): a snapshot holds the sandbox's environment and me
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -510,18 +511,28 @@ class SnapshotStore:
         missing"). The snapshot itself goes at once (a later restore finds none); its objects
         when the last restore reading them ends. ``SnapshotNotFound`` when it is gone already."""
         sid = _snapshot_id(snapshot)
-        folder = self._dir("reading")
-        path = folder / f"{sid}-{os.getpid()}-{secrets.token_hex(6)}"
-        temp = folder / f".{path.name}"
-        with self.locked():  # never between a discard's look at the readers and its removal
-            manifest = self.load(sid)
-            objects = frozenset(manifest.blobs.values())
-            temp.write_text(json.dumps(sorted(objects)))
-            os.replace(temp, path)  # whole, or not there, to a collection that does not lock
+        marked: Path | None = None
+        try:
+            folder = self._dir("reading")
+            path = folder / f"{sid}-{os.getpid()}-{secrets.token_hex(6)}"
+            temp = folder / f".{path.name}"
+            with self.locked():  # never between a discard's look at the readers and its removal
+                manifest = self.load(sid)
+                objects = frozenset(manifest.blobs.values())
+                temp.write_text(json.dumps(sorted(objects)))
+                os.replace(temp, path)  # whole, or not there, to a collection that does not lock
+                marked = path
+        except OSError as error:
+            if error.errno != errno.EROFS:
+                raise
+        if marked is None:  # a store mounted read-only (one shared by many hosts): nothing
+            # through this mount deletes from it, so there is nothing to keep
+            yield self.load(sid)
+            return
         try:
             yield manifest
         finally:
-            path.unlink(missing_ok=True)
+            marked.unlink(missing_ok=True)
             try:
                 self._manifest_path(sid)
             except exc.SnapshotNotFound:  # deleted meanwhile: what it alone used goes now

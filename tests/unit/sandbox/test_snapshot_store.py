@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -49,6 +50,7 @@ from stockade.types import (
     ReadOnly,
     SandboxRules,
 )
+from tests.conftest import require
 
 
 def _snapshot(store: SnapshotStore, data: bytes, *, ref: tuple[str, str] = ("kept", "")) -> str:
@@ -485,6 +487,37 @@ async def test_an_async_restore_keeps_them_too(tmp_path: Path) -> None:
     ) as back:
         assert await back.files.read("data.txt") == "kept"
     assert store.size() == 0 and not list((tmp_path / "snaps" / "reading").iterdir())
+
+
+def test_a_store_mounted_read_only_is_still_restored_from(tmp_path: Path) -> None:
+    """A snapshot store many hosts share, mounted read-only: restores from it worked until
+    each left a mark in it (what it reads, kept from a delete), then failed with the
+    mount's "Read-only file system". Nothing through a read-only mount deletes, so nothing
+    needs keeping: the restore reads on, and leaves nothing."""
+    unshare = shutil.which("unshare")
+    require("unshare", os.geteuid() == 0 and unshare is not None, "a read-only mount needs root and unshare")
+    assert unshare is not None
+    store = SnapshotStore(tmp_path / "snaps")
+    with Sandbox.create(backend=FakeBackend()) as sbx:
+        sbx.files.write("data.txt", "kept")
+        taken = sbx.snapshot(store=store)
+    before = sorted(store.root.rglob("*"))
+    restore = (
+        "import sys\n"
+        "from stockade import Sandbox, SnapshotStore\n"
+        "from stockade.testing import FakeBackend\n"
+        "store = SnapshotStore(sys.argv[1])\n"
+        "with Sandbox.create(backend=FakeBackend(), snapshot=sys.argv[2], store=store) as sbx:\n"
+        "    print(sbx.files.read('data.txt'))\n"
+    )
+    mount_ro = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+    argv = [unshare, "--mount", "--propagation", "private", "sh", "-c", mount_ro, "sh", str(store.root)]
+    done = subprocess.run(
+        [*argv, sys.executable, "-c", restore, str(store.root), taken.id],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "kept\n", done.stderr[-2000:]
+    assert sorted(store.root.rglob("*")) == before
 
 
 def test_a_restore_keeps_the_objects_it_reads_from_discard_and_collection(tmp_path: Path) -> None:
