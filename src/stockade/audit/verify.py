@@ -302,11 +302,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     problems: list[Problem] = []
     elsewhere = 0
     truncated = False
-    try:
-        head = store.head()
-    except exc.AuditIntegrityError as error:
-        head = None
-        problems.append(Problem(seq=0, kind=ProblemKind.HEAD_FORGED, detail=str(error)))
+    head = _read_head(store, problems)
 
     def report(seq: int, kind: ProblemKind, detail: str, run: str = "", signed: str | None = None) -> None:
         """``run``: the run the row's column names; ``signed``: the one its signed body names,
@@ -557,6 +553,15 @@ def _mismatches(
     return found
 
 
+def _read_head(store: AuditStore, problems: list[Problem]) -> Head | None:
+    """The store's head record; None, and a problem, where it cannot be read as one."""
+    try:
+        return store.head()
+    except exc.AuditIntegrityError as error:
+        problems.append(Problem(seq=0, kind=ProblemKind.HEAD_FORGED, detail=str(error)))
+        return None
+
+
 def _algorithm(head: Head | None, chain: Chain, report: _Report) -> tuple[str, bool]:
     """The chain's algorithm (the head's, where there is one) and whether the hashes can be
     checked with the key given: a wrong key is reported once, and no hash is then judged."""
@@ -598,11 +603,7 @@ def verify_run(  # noqa: C901 - the run's events, then the links and the head ar
     chain = Chain(key)
     problems: list[Problem] = []
     truncated = False
-    try:
-        head = store.head()
-    except exc.AuditIntegrityError as error:
-        head = None
-        problems.append(Problem(seq=0, kind=ProblemKind.HEAD_FORGED, detail=str(error)))
+    head = _read_head(store, problems)
 
     def report(seq: int, kind: ProblemKind, detail: str, run: str = "") -> None:
         nonlocal truncated
