@@ -318,6 +318,40 @@ def test_a_memory_bomb_is_killed_and_reported(tier: str) -> None:
         assert sbx.run_code("1 + 1").text == "2", "the interpreter comes back"
 
 
+def test_only_the_call_whose_process_the_memory_limit_killed_says_so(tier: str) -> None:
+    """The sandbox counts its OOM kills, not each call's: a command and a run waiting beside a
+    hog while it was killed once both came back ``oom_killed`` (the run: untouched), exit 0
+    and all their output notwithstanding."""
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60)) as sbx:
+        wait = "while [ ! -e hog-done ]; do sleep 0.05; done"
+        ended: dict[str, Any] = {}
+        beside = [
+            threading.Thread(
+                target=lambda: ended.update(command=sbx.commands.run(f"touch cmd-up; {wait}; echo innocent"))
+            ),
+            threading.Thread(
+                target=lambda: ended.update(
+                    code=sbx.run_code(
+                        "import os, time\nopen('code-up', 'w').close()\n"
+                        "while not os.path.exists('hog-done'): time.sleep(0.05)\nprint('innocent')"
+                    )
+                )
+            ),
+        ]
+        for thread in beside:
+            thread.start()
+        wait_for(lambda: sbx.files.exists("cmd-up") and sbx.files.exists("code-up"), what="both waiting")
+        hog = sbx.commands.run(["python3", "-c", "b = bytearray(400 << 20)"])
+        sbx.files.write("hog-done", b"")
+        for thread in beside:
+            thread.join()
+        assert hog.oom_killed and hog.exit_code == 137, hog
+        command = ended["command"]
+        assert (command.exit_code, command.stdout, command.oom_killed) == (0, "innocent\n", False), command
+        code = ended["code"]
+        assert code.error is None and code.logs.stdout == "innocent\n", code
+
+
 # Fills its memory to 48 MiB under the limit, then reads its system's files (twice that room,
 # dropped from the page cache first, so that their pages are the sandbox's) over and over: the
 # kernel evicts them, the program reads them back, and the OOM killer never runs. Files of at

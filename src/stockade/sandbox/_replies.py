@@ -155,8 +155,11 @@ def command_result(
     err, err_cut = streams[2].text(err_total)
     sig = h.get("signal")
     killed = (sig == 9 or int_field(h.get("exit_code")) == 137) and not h.get("timed_out")
-    # A sandbox with a kernel of its own (the microVM) counts its OOM kills itself.
-    oom = int_field(h.get("oom_kills")) > 0 or oom_since(killed and not locks_killed)
+    # The counters are the whole sandbox's: a kill during the call is this call's only if the
+    # command itself died of a SIGKILL we did not send (a concurrent command's hog once had
+    # a sleeping `echo` that exited 0 reported oom_killed). A sandbox with a kernel of its own
+    # (the microVM) counts its OOM kills itself.
+    oom = killed and (int_field(h.get("oom_kills")) > 0 or oom_since(not locks_killed))
     return CommandResult(
         exit_code=int_field(h.get("exit_code")),
         stdout=out,
