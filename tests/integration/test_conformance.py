@@ -6,6 +6,7 @@ Parametrised over ``TIERS`` (see conftest): a new tier passes this file unchange
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import os
@@ -25,8 +26,8 @@ from stockade import (
     SandboxFileNotFound,
 )
 from stockade import exceptions as exc
-from stockade.types import EntryType
-from tests.conftest import require
+from stockade.types import EntryType, Execution
+from tests.conftest import require, wait_for
 
 # -- commands ------------------------------------------------------------------------------
 
@@ -220,6 +221,34 @@ def test_run_code_timeout_restarts_the_interpreter(sbx: Sandbox) -> None:
     assert ex.logs.stdout == "before\n"
     after = sbx.run_code("'kept' in dir()")
     assert after.text == "False", "state is lost with the killed interpreter"
+
+
+def runs_behind(sbx: Sandbox, first: str, timeout_s: float) -> tuple[Execution, Execution]:
+    """``first`` run, and ``print('behind ran')`` sent once ``first`` started (it writes
+    ``first-up``), queued behind it: both reports."""
+    with contextlib.suppress(SandboxFileNotFound):  # an earlier call's
+        sbx.files.remove("first-up")
+    ended: dict[str, Execution] = {}
+    running = threading.Thread(target=lambda: ended.update(first=sbx.run_code(first, timeout_s=timeout_s)))
+    running.start()
+    wait_for(lambda: sbx.files.exists("first-up"), what="the first run to start")
+    behind = sbx.run_code("print('behind ran')")
+    running.join()
+    return ended["first"], behind
+
+
+def test_runs_queued_behind_one_that_times_out_or_dies_run_in_a_new_interpreter(sbx: Sandbox) -> None:
+    """Only the run that timed out or killed its interpreter fails; the runs queued behind it
+    once all failed with its error, never having run."""
+    up = "open('first-up', 'w').close()\n"
+    sbx.run_code("kept = 1")
+    spun, behind = runs_behind(sbx, up + "while True: pass", timeout_s=2)
+    assert spun.timed_out and spun.error is not None and spun.error.name == "TimeoutError", spun
+    assert not behind.timed_out and behind.error is None and behind.logs.stdout == "behind ran\n", behind
+    assert sbx.run_code("'kept' in dir()").text == "False", "a new interpreter, as at any timeout"
+    died, behind = runs_behind(sbx, up + "import os, time\ntime.sleep(1)\nos._exit(3)", timeout_s=30)
+    assert died.error is not None and died.error.name == "KernelDied" and not died.timed_out, died
+    assert behind.error is None and behind.logs.stdout == "behind ran\n", behind
 
 
 def test_a_dying_interpreter_is_reported_and_replaced(sbx: Sandbox) -> None:

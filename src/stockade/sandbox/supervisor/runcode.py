@@ -134,7 +134,8 @@ def queue_code(sup: "Supervisor", job: Job, body: bytes) -> None:
 def cancel_code(sup: "Supervisor", rid: int) -> None:
     """The host gave up on run ``rid``: taken from the queue, or, running, killed with the
     interpreter (as at its timeout, its state lost) while the runs queued behind it go on
-    in a new one. Done before the host hears back, so its next run finds no run of it."""
+    in a new one (``Supervisor.drop_interpreter``). Done before the host hears back, so its
+    next run finds no run of it."""
     interp = sup.interpreter
     if interp is None:
         return
@@ -147,11 +148,21 @@ def cancel_code(sup: "Supervisor", rid: int) -> None:
             return
     if interp.job is None or interp.job.rid != rid:
         return
-    behind, interp.queue = interp.queue, []
     kill_group(interp.shim)  # before its output is drained and its pipes closed
     sup.drop_interpreter("cancelled by the host; the interpreter was restarted and its state is lost")
+
+
+def requeue(sup: "Supervisor", behind: "list[tuple[Job, bytes]]") -> None:
+    """The runs that were queued for an interpreter now dropped, queued for a new one in
+    their order. One that cannot start it (out of processes or memory) is answered so,
+    as a failed start is, and the next tries again."""
     for job, body in behind:
-        queue_code(sup, job, body)
+        try:
+            queue_code(sup, job, body)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            error = {"name": "KernelDied", "value": f"the interpreter cannot start: {why}", "traceback": ""}
+            sup.finish_code(job, dumps({"results": [], "error": error}).encode())
 
 
 class Interpreter:

@@ -578,7 +578,16 @@ class Supervisor:
         else:
             name, reason = "KernelDied", "reset"
         payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
-        for waiting in ([job] if job else []) + [j for j, _ in interp.queue]:
+        if job is not None:
+            self.finish_code(job, payload)
+        if reason is not None and job is not None:
+            # The run that timed out, was cancelled or whose interpreter died takes the blame;
+            # those queued behind it never ran and go on in a new interpreter (they failed
+            # with its TimeoutError before, never started). Each drop finishes one run: a
+            # new interpreter that dies at once ends the queue's runs one by one, not forever.
+            runcode.requeue(self, interp.queue)
+            return
+        for waiting, _ in interp.queue:
             self.finish_code(waiting, payload)
 
     def oom_kills(self) -> int:
