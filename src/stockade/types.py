@@ -777,9 +777,10 @@ class CommandResult:
 
     ``stdout``/``stderr`` are decoded as UTF-8 (invalid bytes replaced); ``stdout_bytes`` and
     ``stderr_bytes`` are the true sizes produced, even when ``truncated``.
-    ``signal`` is set when the process was killed by one. ``oom_killed``: a process was
-    killed by the memory limit (or for thrashing at it); ``locks_killed``: for holding more
-    file locks than a sandbox may (4,096: kernel memory no memory limit counts).
+    ``signal`` is set when the process was killed by one. ``oom_killed``: the command was
+    killed by the memory limit (or for thrashing at it): it died of a SIGKILL while the
+    sandbox's count of such kills rose, not only beside another call's; ``locks_killed``: for
+    holding more file locks than a sandbox may (4,096: kernel memory no memory limit counts).
     """
 
     exit_code: int
