@@ -50,10 +50,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import shlex
 import uuid
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -931,15 +932,20 @@ class AgentSession:
         signal handler, a rebound name) runs during the call, and each exec is asked."""
         if _call_approved.get() and record.own_code:
             return True
-        # as the trail has the exec: a word the sandbox cut keeps no head of a credential
-        argv = [exec_word(self.owner.audit_log.redactor, word) for word in record.argv]
-        action = f"run `{shlex.join(argv)}`"
-        if record.runs:  # the code chose argv (exec -a, a copy renamed, a #! line): say what runs
-            runs = [exec_word(self.owner.audit_log.redactor, word) for word in record.runs]
-            action = f"run `{shlex.join(runs)}` (started as `{shlex.join(argv)}`)"
+        redactor = self.owner.audit_log.redactor
+
+        def said(redact: Callable[[str], str]) -> str:
+            argv = shlex.join(map(redact, record.argv))
+            if record.runs:  # the code chose argv (exec -a, a copy renamed, a #! line): say what runs
+                return f"run `{shlex.join(map(redact, record.runs))}` (started as `{argv}`)"
+            return f"run `{argv}`"
+
+        # Shown as the trail has the exec (a word the sandbox cut keeps no head of a credential),
+        # asked as it is: the id stands for the exec, not for every exec masked alike.
         request = ApprovalRequest(
             run_id=self.run_id,
-            action=shown(action),
+            action=shown(said(functools.partial(exec_word, redactor))),
+            asked_as=shown(said(str)),
             rule=record.rule,
             reason=f"code in the sandbox starts {visible(record.path)}, which needs a human's approval",
         )

@@ -19,8 +19,10 @@ from stockade.agent import RunLimits, RunStatus
 from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, SQLiteStore, verify
 from stockade.models import ScriptedModel, tool_call
-from stockade.models.messages import ModelResponse, Usage
-from stockade.policy import ApprovalStore, Choice, load_policy
+from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, Usage
+from stockade.models.scripted import FunctionModel
+from stockade.policy import ApprovalStore, Choice, Policy, load_policy
+from stockade.policy.schema import CommandRules, TrustRules
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
 from tests.conftest import require, require_tier
@@ -183,6 +185,48 @@ def test_an_exec_refused_for_want_of_a_decision_is_withdrawn_when_its_run_ends(
     outcomes = [e.attributes["outcome"] for e in store.events(run_id="execs") if e.kind.value == "approval"]
     assert outcomes == ["pending", "withdrawn"]
     assert verify(store).ok
+    store.close()
+
+
+def test_a_yes_to_an_exec_shown_masked_is_spent_by_that_exec_alone(tmp_path: Path, workspace: Path) -> None:
+    """Code runs `rm -r keep_token=SHOWN1234`: the human is shown its value masked and says yes.
+    The code then runs `rm -r keep_token=OTHER5678`, shown alike. Its request had the same id
+    (derived from the text shown), so it spent the yes and removed the folder nobody was asked
+    about, and the one approved stayed (found from outside). Now each is a question of its own."""
+    require_tier("process")
+    shown, other = "keep_token=SHOWN1234", "keep_token=OTHER5678"
+    for name in (shown, other):
+        (workspace / name).mkdir()
+
+    def removal(name: str) -> ToolCall:
+        code = f"import subprocess; subprocess.run(['rm', '-r', {name!r}])"
+        return tool_call("run_code", {"language": "python", "code": code})
+
+    script = ScriptedModel([removal(shown), removal(other), removal(shown), "done"])
+    approvals = ApprovalStore(tmp_path / "approvals")
+
+    async def human_between_steps(request: ModelRequest) -> ModelResponse:
+        if len(script.requests) == 1:  # the first exec was refused, waiting: a human says yes
+            (asked,) = approvals.pending("masked")
+            approvals.decide("masked", asked["id"], Choice.APPROVED, by="alice")
+        return await script.request(request)
+
+    store = SQLiteStore(tmp_path / "audit.db")
+    configured = config(tmp_path, ScriptedModel([]), AuditLog(store, flush_interval_s=None))
+    policy = Policy(trust=TrustRules(level=Trust.TRUSTED), commands=CommandRules(approve=("rm -r",)))
+    model = FunctionModel(human_between_steps)
+    agent = build_agent(dataclasses.replace(configured, model=model, policy=policy))
+    with agent, agent.session(workspace=workspace, run_id="masked") as session:
+        done = session.run_sync("clean up")
+        assert done.status == RunStatus.SUCCESS, done.error
+        assert not session.sandbox.files.exists(shown), "the folder approved is removed"
+        assert session.sandbox.files.exists(other), "not removed under another exec's yes"
+    first, second = sorted(approvals.requests("masked"), key=lambda r: int(r["asked_ns"]))
+    assert first["action"] == second["action"] == "run `rm -r 'keep_token=[REDACTED:assignment]'`"
+    assert first["id"] != second["id"]
+    assert (first["status"], second["status"]) == ("spent", "denied")  # the other, withdrawn at the end
+    kept = b"".join(p.read_bytes() for p in (tmp_path / "approvals").rglob("*.json"))
+    assert b"SHOWN1234" not in kept and b"OTHER5678" not in kept
     store.close()
 
 

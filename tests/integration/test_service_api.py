@@ -368,6 +368,42 @@ def test_a_pending_approval_pauses_the_run_until_decided(
     assert tenant_store.ref("run", run.id) is None
 
 
+def test_a_yes_to_an_exec_shown_masked_is_spent_by_that_exec_alone(acme: Client, tmp_path: Path) -> None:
+    """Code removes `keep_token=SHOWN1234`: the request shows its value masked, and it is
+    approved. Code then removes `keep_token=OTHER5678`, shown alike: it had the same request id,
+    spent the yes, and its folder went while the one approved stayed (found from outside)."""
+    project = tmp_path / "project"
+    for name, text in (
+        ("keep_token=SHOWN1234", "approved folder\n"),
+        ("keep_token=OTHER5678", "other folder\n"),
+    ):
+        (project / name).mkdir(parents=True)
+        (project / name / "f.txt").write_text(text)
+
+    def removal(name: str) -> dict[str, object]:
+        code = f"import subprocess; subprocess.run(['rm', '-r', {name!r}])"
+        return {"name": "run_code", "args": {"code": code, "language": "python"}}
+
+    turns = [
+        removal("keep_token=SHOWN1234"),  # refused on the spot, asked about
+        {"name": "run_code", "args": {"code": "mkdir -p d && rm -r d", "language": "bash"}},  # pauses
+        removal("keep_token=OTHER5678"),
+        removal("keep_token=SHOWN1234"),
+        "done",
+    ]
+    run = acme.runs.submit("clean up", scripted=turns, workspace=project)
+    assert run.wait().status == "paused"
+    for request in run.refresh().info["pending_approvals"]:
+        run.approve(request["id"])
+    assert run.wait().status == "success"
+    diff = run.diff()
+    assert "-approved folder" in diff and "-other folder" not in diff
+    removals = [a for a in run.approvals() if "keep_token" in a["action"]]
+    other, shown = sorted(removals, key=lambda a: a["status"])
+    assert (shown["status"], other["status"]) == ("spent", "denied")  # the other, withdrawn at the end
+    assert shown["action"] == other["action"] and shown["id"] != other["id"]
+
+
 def test_a_run_is_killed_through_the_api(acme: Client) -> None:
     sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
     run = acme.runs.submit("sleep", scripted=[sleep, "never"])

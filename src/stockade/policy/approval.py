@@ -79,6 +79,11 @@ class ApprovalRequest:
     # A request read back from a book: its id as kept (derived from the action as asked, which
     # the book keeps redacted: the id cannot be derived again from what it kept).
     kept_id: str = ""
+    # The action as asked, when ``action`` is only what a human is shown of it, masked already
+    # (an exec's words, redacted as the trail has them): the id is derived from this, never
+    # kept or shown. Derived from the masked text, `rm -r keep_token=A` and `rm -r
+    # keep_token=B` were one question, and a yes to the one was spent by the other.
+    asked_as: str = dataclasses.field(default="", repr=False)
 
     @property
     def id(self) -> str:
@@ -89,7 +94,12 @@ class ApprovalRequest:
     @property
     def asked(self) -> bytes:
         """What its id is derived from: the run, the action as asked and the rule."""
-        return f"{self.run_id}\0{self.action}\0{self.rule}".encode()
+        return f"{self.run_id}\0{self.asked_as or self.action}\0{self.rule}".encode("utf-8", "surrogatepass")
+
+    @property
+    def masked(self) -> bool:
+        """Whether ``action`` hides some of what was asked (``asked_as``)."""
+        return bool(self.asked_as) and self.asked_as != self.action
 
     @classmethod
     def kept(cls, record: dict[str, str]) -> ApprovalRequest:
@@ -108,8 +118,11 @@ def keyed(request: ApprovalRequest, redactor: Redactor, key: bytes) -> ApprovalR
     HMAC of the book's ``key`` for its id: the sha256 of the action as asked, kept beside the
     action redacted, let a reader of the book or the trail test guesses of the secret offline
     (a password recovered at 2.1 M guesses a second). Two actions that differ only in a secret
-    are still two questions. Others keep their ids, derived from the action alone."""
-    if request.kept_id or redactor.text(request.action) == request.action:
+    are still two questions. Others keep their ids, derived from the action alone.
+
+    An action shown masked already (``ApprovalRequest.asked_as``) is keyed by what was asked:
+    the redactor finds nothing left to mask in what is shown."""
+    if request.kept_id or (not request.masked and redactor.text(request.action) == request.action):
         return request
     return dataclasses.replace(request, kept_id=hmac.new(key, request.asked, hashlib.sha256).hexdigest()[:16])
 

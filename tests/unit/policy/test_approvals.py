@@ -267,6 +267,34 @@ def test_the_id_of_a_redacted_action_tells_nothing_of_its_secret(book: ApprovalB
     assert book.keyed(PUSH).id == PUSH.id  # nothing redacted: the id of the action, as before
 
 
+def test_an_action_shown_masked_is_keyed_by_what_was_asked(book: ApprovalBook, tmp_path: Path) -> None:
+    """An exec's request shows its words as the trail has them, masked already: its id was the
+    sha256 of that text, so `rm -r keep_token=A` and `rm -r keep_token=B` were one question, and
+    a yes to the one was spent by the other. Now the id is an HMAC of the action as asked."""
+    shown = "run `rm -r 'keep_token=[REDACTED:assignment]'`"
+    one, another = (
+        ApprovalRequest(
+            run_id="run-1", action=shown, asked_as=f"run `rm -r keep_token={value}`", rule="rm -r", reason=""
+        )
+        for value in ("SHOWN1234", "OTHER5678")
+    )
+    approvals = Approvals(store=book)
+    for request in (one, another):
+        with pytest.raises(ApprovalRequired):
+            approvals.require(request)
+    one, another = book.keyed(one), book.keyed(another)
+    assert one.id != another.id and {r["action"] for r in book.requests("run-1")} == {shown}
+    assert "SHOWN1234" not in repr(one)
+    stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())  # files, database
+    assert b"SHOWN1234" not in stored and b"OTHER5678" not in stored
+
+    book.decide("run-1", one.id, Choice.APPROVED)
+    with pytest.raises(ApprovalRequired):
+        approvals.require(another)  # shown alike, yet no yes to it
+    approvals.require(one)
+    assert status(book, one) == SPENT and status(book, another) == "pending"
+
+
 def test_a_folder_s_key_is_private_made_once_and_shared_by_its_books(tmp_path: Path) -> None:
     asked = ApprovalRequest(
         run_id="run-1", action="run `login --token ghp_" + "d4" * 18 + "`", rule="r", reason=""
