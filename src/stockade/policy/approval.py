@@ -361,6 +361,14 @@ class Approvals:
             choice = store.decision(request) if store is not None else None
             if choice is None and self.approver is not None:
                 choice = self.approver(request)
+                if choice is not None and not isinstance(choice, Choice):
+                    # True, "approved", a coroutine: a decision by no Choice is none (a
+                    # coroutine's truth ran execs unasked in the SDK's approver), and is
+                    # refused, not booked (the book keeps Choices)
+                    raise PolicyDenied(
+                        f"{request.action} refused: {_not_a_choice(choice)} ({request.reason})",
+                        rule=request.rule, action=request.action,
+                    )  # fmt: skip
                 if choice is not None and store is not None:
                     store.submit(request)
                     try:
@@ -403,6 +411,16 @@ class Approvals:
                 continue  # decided meanwhile
             closed.append(request)
         return closed
+
+
+def _not_a_choice(answer: object) -> str:
+    """Why an approver's ``answer`` that is no ``Choice`` (nor None) decides nothing."""
+    import inspect
+
+    if inspect.iscoroutine(answer):
+        answer.close()  # never run: no "was never awaited" warning
+        return "the approver is async, and is not awaited here (give a plain function)"
+    return f"the approver answered {visible(repr(answer))[:80]}, not Choice.APPROVED or Choice.DENIED"
 
 
 def cli_approver(request: ApprovalRequest) -> Choice | None:

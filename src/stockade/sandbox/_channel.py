@@ -321,16 +321,22 @@ class Call:
         self._channel = channel
         self.rid = rid
         self._q = q
+        self._later = 0.0  # what ``extend`` moved the deadline of ``frames`` by
+
+    def extend(self, seconds: float) -> None:
+        """Move the deadline ``frames`` waits under later by ``seconds`` (the call waited that
+        long for someone else: a human asked about one of its execs)."""
+        self._later += max(0.0, seconds)
 
     def frames(self, deadline: float | None) -> Iterator[Frame]:
-        """Yield frames until a terminal one; ``TimeoutError`` past the host's deadline;
-        ``Interrupted`` once the task this thread runs for is cancelled."""
+        """Yield frames until a terminal one; ``TimeoutError`` past the host's deadline (as
+        ``extend`` moved it); ``Interrupted`` once the task this thread runs for is cancelled."""
         cut = CUT.get()
         try:
             if cut is not None:
                 cut.watch(self._q, _CUT)
             while True:
-                timeout = None if deadline is None else deadline - time.monotonic()
+                timeout = None if deadline is None else deadline + self._later - time.monotonic()
                 if timeout is not None and timeout <= 0:
                     raise TimeoutError
                 try:

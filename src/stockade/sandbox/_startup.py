@@ -4,17 +4,17 @@ the settings of a sandbox started from a snapshot or resumed from a pause."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from stockade import exceptions as exc
 from stockade._checks import check_choice, check_envs, check_instance, check_labels
 from stockade.sandbox import _registry
+from stockade.sandbox._approver import Approver, check_approver
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import AsyncBackend, Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import (
-    ExecRecord,
     Limits,
     NetworkPolicy,
     ReadOnly,
@@ -43,7 +43,7 @@ def sandbox_spec(
     labels: Mapping[str, str] | None,
     *,
     rules: SandboxRules | None = None,
-    approver: Callable[[ExecRecord], bool] | None = None,
+    approver: Approver | None = None,
 ) -> SandboxSpec:
     if limits is not None and not isinstance(limits, Limits):
         raise exc.InvalidArgument(
@@ -63,12 +63,7 @@ def sandbox_spec(
             argument="allow_weaker",
             fix="give True to accept weaker enforcement, or leave it out",
         )
-    if approver is not None and not callable(approver):
-        raise exc.InvalidArgument(
-            f"approver must be callable, got {type(approver).__name__}",
-            argument="approver",
-            fix="give a function of an ExecRecord that answers True to allow",
-        )
+    check_approver(approver)
     return SandboxSpec(
         limits=limits or Limits(),
         network=network or NetworkPolicy(),

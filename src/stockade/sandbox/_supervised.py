@@ -28,7 +28,9 @@ from typing import Any
 
 from stockade import _exit
 from stockade import exceptions as exc
+from stockade._display import visible
 from stockade.sandbox import _rules
+from stockade.sandbox._approver import answered
 from stockade.sandbox._boundary import Boundary, EgressHandle
 from stockade.sandbox._channel import Channel, Stream
 from stockade.sandbox._replies import (
@@ -624,7 +626,11 @@ class SupervisedInstance(Instance):
                     if sink is not None and part:
                         sink(fd, part)
                 elif ev == "approve":
+                    # The time a human takes is not the command's: the supervisor holds the
+                    # job's deadline back as long (``ExecJudge.park``), the host's follows.
+                    asked = time.monotonic()
                     self._approve(h)
+                    call.extend(time.monotonic() - asked)
                 elif ev == "between" and between is None:  # one per call: a second is not ours
                     between = h
                 elif ev in ("exit", "result"):
@@ -659,10 +665,15 @@ class SupervisedInstance(Instance):
         record = dataclasses.replace(record, own_code=h.get("own") is True)
         approver = self.spec.approver
         try:
-            allow = bool(approver(record)) if approver is not None else False
-        except Exception:  # an approver that fails says no
-            allow = False
-        call = self.channel.call({"op": "verdict", "req": int_field(h.get("req")), "allow": allow})
+            allow, why = answered(approver(record)) if approver is not None else (False, "")
+        except Exception as error:  # an approver that fails says no
+            allow, why = False, f"the approver raised {type(error).__name__}: {visible(str(error))[:200]}"
+        if why:
+            log.warning("sandbox %s: exec %s refused: %s", self.id, record.argv[:8], why)
+        verdict: dict[str, Any] = {"op": "verdict", "req": int_field(h.get("req")), "allow": allow}
+        if why:  # the supervisor shows it with the rule (the record, the program's stderr)
+            verdict["why"] = why
+        call = self.channel.call(verdict)
         with contextlib.suppress(TimeoutError):
             call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
 

@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+from stockade.sandbox._approver import Approver
 from stockade.sandbox.ops import Op
 from stockade.types import (
     CommandResult,
     EgressRecord,
     Enforcement,
     EntryInfo,
-    ExecRecord,
     Execution,
     JudgedExecs,
     Limits,
@@ -61,9 +61,9 @@ class SandboxSpec:
     allow_weaker: bool = False
     labels: Mapping[str, str] = field(default_factory=dict)
     rules: SandboxRules | None = None
-    # Asked, on the host, about an exec the rules send for approval; True lets it run.
-    # Without one, such an exec is refused.
-    approver: Callable[[ExecRecord], bool] | None = None
+    # Asked, on the host, about an exec the rules send for approval; only True (or
+    # Choice.APPROVED) lets it run (``_approver.answered``). Without one, such an exec is refused.
+    approver: Approver | None = None
     # Start from this snapshot: its memory where the tier took it and can restore it, else
     # a fresh sandbox holding its files.
     snapshot: Snapshot | None = None

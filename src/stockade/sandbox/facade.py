@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
 from stockade import exceptions as exc
 from stockade._checks import check_host_folder
 from stockade.sandbox import _registry
+from stockade.sandbox._approver import Approver, AsyncApprover, check_approver, on_loop
 from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files, loop_sink
 from stockade.sandbox._requests import TextCallback, as_execution, code_op, text_sink
 
@@ -44,7 +45,6 @@ from stockade.sandbox.ops import Pause, Reset, RunCode, TakeSnapshot
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import (
     Enforcement,
-    ExecRecord,
     Execution,
     Limits,
     NetworkPolicy,
@@ -79,7 +79,7 @@ class Sandbox:
         backend: Backend | None = None,
         prefer: _registry.Preference = "cheapest",
         rules: SandboxRules | None = None,
-        approver: Callable[[ExecRecord], bool] | None = None,
+        approver: Approver | None = None,
         snapshot: Snapshot | str | None = None,
         store: SnapshotStore | None = None,
     ) -> Sandbox:
@@ -90,7 +90,10 @@ class Sandbox:
         sandbox never writes to the host directory itself (use ``files.download_dir``).
         ``rules`` are enforced on the code by the sandbox itself (``SandboxRules``: commands
         judged at each exec, read-only paths, denied programs masked, paths left out of the
-        copy); ``approver`` is asked, on the host, about an exec the rules send for approval.
+        copy); ``approver`` is asked, on the host, about an exec the rules send for approval:
+        only ``True`` (or ``Choice.APPROVED``) lets it run; anything else (``False``, ``None``,
+        ``Choice.DENIED``, another value, an exception) refuses it, the reason in its record.
+        The time it takes is not the call's: ``timeout_s`` stands still while it decides.
 
         ``snapshot`` (a ``Snapshot`` or its id, in ``store``) starts the sandbox from a snapshot,
         as many times as wanted: on its tier and with its settings unless others are given;
@@ -190,7 +193,7 @@ class Sandbox:
         *,
         store: SnapshotStore | None = None,
         backend: Backend | None = None,
-        approver: Callable[[ExecRecord], bool] | None = None,
+        approver: Approver | None = None,
     ) -> Sandbox:
         """The paused sandbox ``sandbox_id``, running again under its id. One resume wins:
         the others (and a second one) get ``SnapshotNotFound``."""
@@ -251,13 +254,17 @@ class AsyncSandbox:
         backend: AsyncBackend | Backend | None = None,
         prefer: _registry.Preference = "cheapest",
         rules: SandboxRules | None = None,
-        approver: Callable[[ExecRecord], bool] | None = None,
+        approver: AsyncApprover | None = None,
         snapshot: Snapshot | str | None = None,
         store: SnapshotStore | None = None,
     ) -> AsyncSandbox:
-        """See ``Sandbox.create``."""
+        """See ``Sandbox.create``; ``approver`` may also be an ``async def``, awaited on this
+        loop while the call waits."""
         import asyncio  # lazily: importing stockade must stay cheap
 
+        check_approver(approver, asynchronous=True)
+        if approver is not None:
+            approver = on_loop(approver, asyncio.get_running_loop())
         spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         check_backend(backend, asynchronous=True)
         if workspace is not None:  # checked before a sandbox starts, not after
@@ -341,9 +348,14 @@ class AsyncSandbox:
         *,
         store: SnapshotStore | None = None,
         backend: AsyncBackend | Backend | None = None,
-        approver: Callable[[ExecRecord], bool] | None = None,
+        approver: AsyncApprover | None = None,
     ) -> AsyncSandbox:
-        """See ``Sandbox.resume``."""
+        """See ``Sandbox.resume`` (and ``AsyncSandbox.create`` for ``approver``)."""
+        import asyncio  # lazily: importing stockade must stay cheap
+
+        check_approver(approver, asynchronous=True)
+        if approver is not None:
+            approver = on_loop(approver, asyncio.get_running_loop())
         if isinstance(backend, AsyncBackend):
             raise exc.InvalidArgument(
                 "resume takes a blocking Backend", argument="backend", fix="give the tier's Backend instance"

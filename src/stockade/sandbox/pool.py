@@ -28,19 +28,20 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import MAX_TIMEOUT_S, check_number
 from stockade.sandbox import _registry
+from stockade.sandbox._approver import Approver
 from stockade.sandbox._startup import from_snapshot, sandbox_spec, store_of
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, Reset, RunCode
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.types import ExecRecord, Limits, NetworkPolicy, SandboxRules, Snapshot
+from stockade.types import Limits, NetworkPolicy, SandboxRules, Snapshot
 
 __all__ = ["PoolStats", "SandboxPool"]
 
@@ -117,7 +118,7 @@ class SandboxPool:
         snapshot: Snapshot | str | None = None,
         store: SnapshotStore | None = None,
         rules: SandboxRules | None = None,
-        approver: Callable[[ExecRecord], bool] | None = None,
+        approver: Approver | None = None,
     ) -> None:
         """``rules`` and ``approver`` as ``Sandbox.create`` takes them: every member is under
         the rules, and a reset keeps them (what one user's code ran or had approved is dropped

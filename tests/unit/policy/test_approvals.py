@@ -69,6 +69,28 @@ def test_a_deferred_yes_lets_the_action_go_once_then_it_is_pending_again(book: A
     assert book.pending(PUSH.run_id) == [r for r in book.requests(PUSH.run_id) if r["id"] == PUSH.id]
 
 
+async def _yes() -> Choice:
+    return Choice.APPROVED
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (True, "answered True, not Choice.APPROVED or Choice.DENIED"),
+        ("approved", "answered 'approved', not Choice.APPROVED or Choice.DENIED"),
+        ("coroutine", "the approver is async, and is not awaited here"),
+    ],
+)
+def test_an_answer_that_is_no_choice_refuses_and_books_nothing(
+    book: ApprovalBook, answer: object, why: str
+) -> None:
+    """An approver typed loosely (``True``), or async (its coroutine: never awaited, closed)."""
+    approvals = Approvals(lambda request: _yes() if answer == "coroutine" else answer, book)  # type: ignore[arg-type,return-value]
+    with pytest.raises(PolicyDenied, match="refused: .*" + why):
+        approvals.require(PUSH)
+    assert book.requests(PUSH.run_id) == []
+
+
 def test_a_no_stands_for_the_rest_of_the_run(book: ApprovalBook) -> None:
     approver, asked = counting(Choice.DENIED)
     approvals = Approvals(approver, book)

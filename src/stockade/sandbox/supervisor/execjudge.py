@@ -192,6 +192,7 @@ class ExecJudge:
             else:
                 self.requests += 1
                 self.pending[self.requests] = (listener, nid, pid, job, done, key)
+                job.hold()  # its deadline waits with it (the host's approver may be a human)
                 # "own": whether the call's approval may answer for it (jobs.Job.own)
                 ask = {"id": job.rid, "ev": "approve", "req": self.requests, **done, "own": job.own}
                 runs = self.found.get(rule or "")
@@ -229,12 +230,16 @@ class ExecJudge:
             self._verdicts[seen] = judged
         return judged
 
-    def on_verdict(self, request: int, allow: bool) -> None:
-        """The host's answer to an approval it was asked for."""
+    def on_verdict(self, request: int, allow: bool, why: str = "") -> None:
+        """The host's answer to an approval it was asked for; ``why``, the host's reason for a
+        no that was no plain no (an approver's odd answer, its error), shown with the rule."""
         parked = self.pending.pop(request, None)
         if parked is None:
             return
-        listener, nid, pid, _, done, key = parked
+        listener, nid, pid, job, done, key = parked
+        job.release()
+        if not allow and why:
+            done["rule"] = f"{done['rule']} ({why[:300]})"
         if not allow:
             self._remember(key, ("refuse", done["rule"]))
         if not confine.still_waiting(listener, nid):
@@ -251,6 +256,7 @@ class ExecJudge:
         for request, parked in list(self.pending.items()):
             if parked[3] is job:
                 self.pending.pop(request)
+                job.release()
                 confine.answer(parked[0], parked[1], False, EPERM)
 
     def _remember(self, key: "Tuple[Any, ...]", refusal: "Tuple[str, Optional[str]]") -> None:

@@ -59,6 +59,33 @@ class Job:
         self.own = False
         # A run_code's: the most bytes its report may take (``Interpreter.next_run``).
         self.report_cap = 0
+        # Its execs waiting for the host's approver, and since when: a human's time is not
+        # the job's, so its deadline stands still meanwhile (``hold``, ``release``).
+        self.held = 0
+        self.held_since = 0.0
+
+    def hold(self) -> None:
+        """One of its execs waits for the host's approver: no deadline runs until it is
+        answered."""
+        if self.held == 0:
+            self.held_since = time.monotonic()
+        self.held += 1
+
+    def release(self) -> None:
+        """An exec's approval was answered (or dropped): once none waits, the deadline is
+        moved on by the time they waited."""
+        if self.held <= 0:
+            return
+        self.held -= 1
+        if self.held == 0 and self.deadline is not None and not self.timed_out:
+            self.deadline += time.monotonic() - self.held_since
+
+    def due(self) -> "Optional[float]":
+        """The deadline that runs now: none while an exec of its waits for an approval (a
+        job timed out is killed again all the same: its approvals answer no one)."""
+        if self.held and not self.timed_out:
+            return None
+        return self.deadline
 
     def report(self) -> "dict[str, Any]":
         """What every final frame says of the job besides its own outcome."""
@@ -372,7 +399,8 @@ def exited(sup: "Supervisor", job: CommandJob, status: int) -> None:
 
 def check_deadlines(sup: "Supervisor", now: float) -> None:
     for job in list(sup.commands.values()):
-        if not job.deadline or now < job.deadline:
+        due = job.due()
+        if not due or now < due:
             continue
         # Until the job ends, again every AGAIN_S: what a kill missed (a pipe's last holder)
         # keeps the call from its report, and on gVisor a kill can miss a process.
@@ -394,6 +422,7 @@ def cancel_command(sup: "Supervisor", rid: int) -> None:
     one, once reaped)."""
     job = sup.commands.get(rid)
     if job is not None and not job.timed_out:
+        job.held = 0  # nobody waits for its approvals either
         job.deadline = time.monotonic()
         check_deadlines(sup, job.deadline)
 

@@ -353,10 +353,11 @@ class Rules:
                 return
         self.python_judge().on_exec(self.listener, got)
 
-    def on_verdict(self, request: int, allow: bool) -> None:
-        """The host's answer to an approval it was asked for."""
+    def on_verdict(self, request: int, allow: bool, why: str = "") -> None:
+        """The host's answer to an approval it was asked for (``why``: the host's reason for a
+        no that was no plain no)."""
         if self._judge is not None:
-            self._judge.on_verdict(request, allow)
+            self._judge.on_verdict(request, allow, why)
 
     def expire(self, job: "Any") -> None:
         """A job ended: the compiled judge's records are taken in (the job's report lists

@@ -329,13 +329,14 @@ class Supervisor:
                 self.reap()
 
     def _next_timeout(self) -> Optional[float]:
-        deadlines = [j.deadline for j in self.commands.values() if j.deadline]
+        deadlines = [d for d in (j.due() for j in self.commands.values()) if d]
         now = time.monotonic()
         waits = [j.out.wait(now) for j in self.commands.values()]
         if self.interpreter is not None:
             waits.append(self.interpreter.out.wait(now))
-        if self.interpreter and self.interpreter.job and self.interpreter.job.deadline:
-            deadlines.append(self.interpreter.job.deadline)
+        due = self.interpreter.job.due() if self.interpreter and self.interpreter.job else None
+        if due:
+            deadlines.append(due)
         left = [max(0.0, d - now) for d in deadlines] + [w for w in waits if w is not None]
         return min(left) if left else None
 
@@ -426,7 +427,9 @@ class Supervisor:
     def op_verdict(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         """The host's answer to an exec that waits for approval."""
         if self.rules is not None:
-            self.rules.on_verdict(int(h.get("req", 0)), bool(h.get("allow")))
+            why = h.get("why")
+            why = why if isinstance(why, str) else ""
+            self.rules.on_verdict(int(h.get("req", 0)), h.get("allow") is True, why)
         self.send({"id": rid, "ev": "done"})
 
     def op_cut(self, rid: int, h: dict[str, Any], body: bytes) -> None:
@@ -550,7 +553,8 @@ class Supervisor:
         now = time.monotonic()
         jobs.check_deadlines(self, now)
         interp = self.interpreter
-        if interp and interp.job and interp.job.deadline and now >= interp.job.deadline:
+        due = interp.job.due() if interp and interp.job else None
+        if interp and interp.job and due and now >= due:
             interp.job.timed_out = True
             kill_group(interp.shim)  # before its output is drained and its pipes closed
             self.drop_interpreter("timed out; the interpreter was restarted and its state is lost")

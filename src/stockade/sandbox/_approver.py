@@ -1,0 +1,89 @@
+"""A sandbox's ``approver``: what it may be, and what of its answer lets an exec run.
+
+Only an explicit yes runs the exec: ``True`` or ``Choice.APPROVED``. Anything else is a
+refusal, with its reason in the exec's record: ``bool(answer)`` let ``Choice.DENIED`` (a
+non-empty string) and an async approver's coroutine (never awaited) run ``rm -r`` unasked.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from stockade import exceptions as exc
+from stockade._display import visible
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from stockade.policy.approval import Choice
+    from stockade.types import ExecRecord
+
+__all__ = ["Approver", "AsyncApprover", "answered", "check_approver", "on_loop"]
+
+# ``Sandbox``'s: called in the thread that runs the call.
+Approver: TypeAlias = "Callable[[ExecRecord], bool | Choice]"
+# ``AsyncSandbox``'s may also be ``async def``: awaited on the loop the sandbox was created on.
+AsyncApprover: TypeAlias = "Callable[[ExecRecord], bool | Choice | Awaitable[bool | Choice]]"
+
+
+def check_approver(approver: object, *, asynchronous: bool = False) -> None:
+    """An approver given is callable; to a blocking ``Sandbox``, not an ``async def``."""
+    if approver is None:
+        return
+    if not callable(approver):
+        raise exc.InvalidArgument(
+            f"approver must be callable, got {type(approver).__name__}",
+            argument="approver",
+            fix="give a function of an ExecRecord that answers True (or Choice.APPROVED) to allow",
+        )
+    if not asynchronous and inspect.iscoroutinefunction(approver):
+        raise exc.InvalidArgument(
+            "approver is an async function: a blocking Sandbox cannot await it",
+            argument="approver",
+            fix="give a plain function, or create the sandbox with AsyncSandbox.create",
+        )
+
+
+def answered(answer: object) -> tuple[bool, str]:
+    """Whether ``answer`` lets the exec run, and, where it is not a plain yes or no, why it
+    was taken as a no (shown with the exec's rule)."""
+    from stockade.policy.approval import Choice  # lazily: the policy package imports the tiers
+
+    if answer is True or answer is Choice.APPROVED:
+        return True, ""
+    if answer is False or answer is None or answer is Choice.DENIED:
+        return False, ""
+    if inspect.isawaitable(answer):
+        if inspect.iscoroutine(answer):
+            answer.close()  # never run: no "was never awaited" warning, no half-done approver
+        return False, "the approver returned an awaitable, which is not awaited here"
+    shown = visible(repr(answer))[:80]
+    return False, f"the approver answered {shown}, not True or Choice.APPROVED"
+
+
+def on_loop(approver: AsyncApprover, loop: asyncio.AbstractEventLoop) -> Approver:
+    """``approver`` called from the worker thread an ``AsyncSandbox``'s call runs in: what it
+    returns to await (an ``async def``'s coroutine) is awaited on ``loop``, the caller's, while
+    the thread waits for the answer."""
+    import asyncio
+
+    def ask(record: ExecRecord) -> Any:
+        answer = approver(record)
+        if not inspect.isawaitable(answer):
+            return answer
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or loop.is_closed() or not loop.is_running():
+            # on the loop's own thread it would wait for itself; a loop gone awaits nothing
+            return answer  # ``answered`` closes it, and refuses
+        return asyncio.run_coroutine_threadsafe(_awaited(answer), loop).result()
+
+    return ask
+
+
+async def _awaited(answer: Awaitable[Any]) -> Any:
+    return await answer

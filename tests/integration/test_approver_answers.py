@@ -1,0 +1,165 @@
+"""What a sandbox's approver answers, and how long it takes, decide only whether the exec runs.
+
+Only ``True`` or ``Choice.APPROVED`` runs it: ``bool(answer)`` ran ``rm -r`` for an approver
+answering ``Choice.DENIED`` (a non-empty string) and for an ``async def`` approver saying no
+(its coroutine, never awaited, is truthy). A human slower than ``timeout_s`` took the whole
+sandbox down: the time an exec waits for its answer is not the call's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from stockade import AsyncSandbox, InvalidArgument, Limits, Sandbox
+from stockade.policy.approval import Choice
+from stockade.sandbox._supervised import GRACE_S
+from stockade.types import ExecRecord, SandboxRules
+from tests.conftest import require_tier
+from tests.integration.conftest import TIERS
+
+# The tiers whose kernel holds approve rules (gVisor's refuses them: LimitNotEnforceable).
+CONFINES = ("process", "docker", "microvm")
+RULES = SandboxRules(approve=("rm -r",))
+LIMITS = Limits(memory_mb=256, timeout_s=20, pids=64)
+
+
+@pytest.fixture(params=[t for t in TIERS if t in CONFINES])
+def tier(request: pytest.FixtureRequest) -> str:
+    name = str(request.param)
+    require_tier(name)
+    return name
+
+
+@dataclass
+class Answers:
+    """Answers an exec by its last argument (the folder ``rm -r`` removes), after ``wait_s``
+    for the folders named in ``slow``; ``asked`` holds the folders it was asked about."""
+
+    answers: dict[str, object]
+    slow: tuple[str, ...] = ()
+    wait_s: float = 0.0
+    asked: list[str] = field(default_factory=list)
+
+    def __call__(self, record: ExecRecord) -> Any:  # any answer: callers need not be typed
+        folder = record.argv[-1]
+        self.asked.append(folder)
+        if folder in self.slow:
+            time.sleep(self.wait_s)  # a human reading the question
+        return self.answers[folder]
+
+
+def removes(*folders: str) -> str:
+    """A command that makes each folder, removes it with ``rm -r``, and prints what is left."""
+    made = " ".join(folders)
+    each = "; ".join(f"rm -r {f}" for f in folders)
+    return f"mkdir -p {made}; {each}; ls -d {made} 2>/dev/null; true"
+
+
+def refusals(execs: tuple[ExecRecord, ...]) -> dict[str, str]:
+    """Folder -> the rule of its refusal, for each ``rm -r`` the sandbox refused."""
+    return {e.argv[-1]: e.rule for e in execs if e.argv[:2] == ("rm", "-r") and e.verdict == "refuse"}
+
+
+def test_only_true_or_choice_approved_lets_an_exec_run(tier: str) -> None:
+    answers = Answers(
+        {
+            "yes": True,
+            "approved": Choice.APPROVED,
+            "no": False,
+            "nothing": None,
+            "denied": Choice.DENIED,  # "denied", a non-empty string: it ran
+            "word": "approved",  # Choice.APPROVED's value, not Choice.APPROVED
+            "one": 1,
+        }
+    )
+    with Sandbox.create(tier, limits=LIMITS, rules=RULES, approver=answers) as sbx:
+        r = sbx.commands.run(removes(*answers.answers))
+    assert answers.asked == list(answers.answers)
+    assert sorted(r.stdout.split()) == ["denied", "no", "nothing", "one", "word"], r
+    refused = refusals(r.execs)
+    assert refused["no"] == refused["nothing"] == refused["denied"] == "commands.approve: rm -r"
+    # an answer that is no plain yes or no is refused, and the record says what it was
+    not_yes = "not True or Choice.APPROVED"
+    assert refused["word"] == f"commands.approve: rm -r (the approver answered 'approved', {not_yes})"
+    assert refused["one"] == f"commands.approve: rm -r (the approver answered 1, {not_yes})"
+    assert "needs approval and was refused: commands.approve: rm -r (the approver answered 1" in r.stderr
+
+
+def test_an_approver_that_raises_refuses_and_says_why(tier: str) -> None:
+    def fails(record: ExecRecord) -> bool:
+        raise LookupError("no human on call")
+
+    with Sandbox.create(tier, limits=LIMITS, rules=RULES, approver=fails) as sbx:
+        r = sbx.commands.run(removes("kept"))
+    assert r.stdout.split() == ["kept"], r
+    assert refusals(r.execs) == {
+        "kept": "commands.approve: rm -r (the approver raised LookupError: no human on call)"
+    }
+
+
+async def test_an_async_approver_is_awaited_on_the_callers_loop(tier: str) -> None:
+    asked: list[str] = []
+
+    async def human(record: ExecRecord) -> bool:
+        asked.append(record.argv[-1])
+        return record.argv[-1] == "yes"
+
+    sbx = await AsyncSandbox.create(tier, limits=LIMITS, rules=RULES, approver=human)
+    async with sbx:
+        r = await sbx.commands.run(removes("yes", "no"))
+    assert asked == ["yes", "no"]
+    assert r.stdout.split() == ["no"], r
+    assert refusals(r.execs) == {"no": "commands.approve: rm -r"}
+
+
+def test_a_blocking_sandbox_refuses_an_async_approver_before_it_starts() -> None:
+    async def human(record: ExecRecord) -> bool:
+        return False
+
+    with pytest.raises(InvalidArgument, match="AsyncSandbox") as raised:
+        Sandbox.create("process", rules=RULES, approver=human)  # type: ignore[arg-type]  # as typed
+    assert raised.value.argument == "approver"
+
+
+def test_an_approver_returning_an_awaitable_to_a_blocking_sandbox_refuses(tier: str) -> None:
+    async def no() -> bool:
+        return False
+
+    # not an ``async def``: what it returns is known only when it is asked
+    late: Callable[[ExecRecord], Awaitable[bool]] = lambda record: no()  # noqa: E731
+    with Sandbox.create(tier, limits=LIMITS, rules=RULES, approver=late) as sbx:  # type: ignore[arg-type]
+        r = sbx.commands.run(removes("kept"))
+    assert r.stdout.split() == ["kept"], r
+    assert refusals(r.execs) == {
+        "kept": "commands.approve: rm -r (the approver returned an awaitable, which is not awaited here)"
+    }  # and the coroutine was closed: never-awaited warnings are errors here
+
+
+def test_a_human_slower_than_the_timeout_neither_times_the_call_out_nor_kills_the_sandbox(
+    tier: str,
+) -> None:
+    # Past the supervisor's deadline for the job (timeout_s) and the host's (timeout_s + GRACE_S).
+    answers = Answers({"slow": True, "quick": False}, slow=("slow",), wait_s=1 + GRACE_S + 1)
+    with Sandbox.create(tier, limits=LIMITS, rules=RULES, approver=answers) as sbx:
+        sbx.commands.run("echo state > /tmp/state")
+        r = sbx.commands.run(removes("slow", "quick"), timeout_s=1)
+        assert not r.timed_out and r.exit_code == 0, r
+        assert r.stdout.split() == ["quick"], r  # the slow yes ran, the quick no did not
+        assert answers.asked == ["slow", "quick"]
+        assert sbx.commands.run("cat /tmp/state").stdout == "state\n"
+
+
+def test_a_human_slower_than_run_codes_timeout_leaves_its_interpreter_running(tier: str) -> None:
+    answers = Answers({"slow": True}, slow=("slow",), wait_s=2)
+    limits = Limits(memory_mb=256, timeout_s=1, pids=64)
+    with Sandbox.create(tier, limits=limits, rules=RULES, approver=answers) as sbx:
+        sbx.run_code("kept = 'state'")
+        code = "import os, subprocess\nos.makedirs('slow')\nsubprocess.run(['rm', '-r', 'slow']).returncode"
+        r = sbx.run_code(code)
+        assert r.error is None and not r.timed_out and r.text == "0", r
+        assert sbx.run_code("kept").text == "'state'"  # the same interpreter: not restarted
