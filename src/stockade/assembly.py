@@ -53,6 +53,7 @@ import contextvars
 import functools
 import logging
 import shlex
+import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ from stockade.audit.sandbox import AuditedBackend, current_call, exec_word
 from stockade.audit.stores import SQLiteStore, open_store
 from stockade.exceptions import (
     ApprovalRequired,
+    ApprovalsFull,
     ComplianceNotMet,
     ConfigurationError,
     InvalidArgument,
@@ -354,8 +356,12 @@ class _AuditedApprovals(Approvals):
     marks the call approved (what its code runs is covered by it), a yes to an exec does not."""
 
     def __init__(self, inner: Approvals, log: AuditLog) -> None:
-        super().__init__(inner.approver, inner.store)
+        super().__init__(inner.approver, inner.store, max_pending=inner.max_pending)
         self.log = log
+        # the runs whose trail has recorded that their requests were full: one event each, not
+        # one per refused exec (2,000 refused execs were 2,000 "pending" events)
+        self._full: set[str] = set()
+        self._full_lock = threading.Lock()
 
     def _decider(self, request: ApprovalRequest) -> str:
         """Who decided, as the approval book has it (``stockade approve --by``, the viewer, an
@@ -370,10 +376,12 @@ class _AuditedApprovals(Approvals):
         closed = super().withdraw(run_id)
         for request in closed:
             self._record(request, "withdrawn")
+        with self._full_lock:
+            self._full.discard(run_id)
         return closed
 
-    def _record(self, request: ApprovalRequest, outcome: str) -> None:
-        decided = outcome not in ("pending", "withdrawn")  # by a human, not asked or closed by us
+    def _record(self, request: ApprovalRequest, outcome: str, **more: object) -> None:
+        decided = outcome not in ("pending", "withdrawn", "full")  # by a human, not asked or closed by us
         by = self._decider(request) if decided else ""
         step, call = _call_at.get() or (0, None)
         attributes: dict[str, object] = {
@@ -382,6 +390,7 @@ class _AuditedApprovals(Approvals):
             "rule": request.rule,
             "reason": request.reason,
             "outcome": outcome,
+            **more,
         }
         if call is not None:
             attributes["call_id"] = call
@@ -399,6 +408,13 @@ class _AuditedApprovals(Approvals):
             super().require(request)
         except ApprovalRequired:
             self._record(request, "pending")
+            raise
+        except ApprovalsFull:
+            with self._full_lock:
+                first = request.run_id not in self._full
+                self._full.add(request.run_id)
+            if first:  # the later ones are in the trail as the execs or calls refused
+                self._record(request, "full", limit=self.max_pending)
             raise
         except PolicyDenied:
             self._record(request, "denied")
@@ -563,6 +579,7 @@ class GuardedAgent:
                 config.approver,
                 # the book keeps what the trail keeps: the run's registered secrets redacted too
                 config.approval_store or ApprovalStore(config.approval_dir, redactor=log.redactor),
+                max_pending=config.limits.max_pending_approvals,
             ),
             log,
         )

@@ -41,6 +41,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── BaselineUnreadable        the run's diff baseline does not parse: no diff is made from it
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
+    │   └── ApprovalsFull             the run has as many requests pending as it may: refused, not kept
     ├── ModelError                    the LLM provider failed or refused (``status_code``)
     │   ├── ModelUnavailable          [retryable] 5xx, overloaded, connection reset
     │   ├── ModelRateLimited          [retryable] 429; ``retry_after`` from Retry-After
@@ -95,6 +96,7 @@ from typing import Any, ClassVar
 __all__ = [
     "ApprovalDecided",
     "ApprovalRequired",
+    "ApprovalsFull",
     "AuditError",
     "AuditIntegrityError",
     "AuditStoreError",
@@ -445,6 +447,17 @@ class PolicyDenied(StockadeError):
         super().__init__(message)
         self.rule = rule
         self.action = action
+
+
+class ApprovalsFull(PolicyDenied):
+    """An action that needs approval, asked while its run already has ``limit`` requests
+    pending (``RunLimits.max_pending_approvals``): refused on the spot, and no request is kept
+    (one run's code looping over distinct ``rm -r X$i`` kept 2,000 requests in 21 s, and
+    every read of the run returned them all). The requests already pending wait as before."""
+
+    def __init__(self, message: str, *, rule: str = "", action: str = "", limit: int = 0) -> None:
+        super().__init__(message, rule=rule, action=action)
+        self.limit = limit
 
 
 class RuntimeLimit(StockadeError):

@@ -230,6 +230,43 @@ def test_a_yes_to_an_exec_shown_masked_is_spent_by_that_exec_alone(tmp_path: Pat
     store.close()
 
 
+def test_code_that_asks_for_ever_new_approvals_fills_the_runs_requests_once_and_no_more(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """Code loops over distinct `rm -r X$i` execs, each refused on the spot for want of a
+    decision. Each was kept as a request and recorded twice in the trail (2,000 in 21 s over
+    the service, every read of the run returning them all). The run keeps at most
+    `max_pending_approvals` pending; past them an exec is refused and kept nowhere, and the
+    trail says once that the run's requests were full (each exec stays in it as an exec)."""
+    require_tier("process")
+    store = SQLiteStore(tmp_path / "audit.db")
+    code = (
+        "import subprocess\n"
+        "refused = 0\n"
+        "for i in range(12):\n"
+        "    try:\n"
+        "        subprocess.run(['rm', '-r', f'scratch{i}'])\n"
+        "    except PermissionError:\n"
+        "        refused += 1\n"
+        "print('refused', refused)"
+    )
+    model = ScriptedModel([tool_call("run_code", {"language": "python", "code": code}), "left it"])
+    approvals = ApprovalStore(tmp_path / "approvals")
+    limits = RunLimits(max_steps=10, max_pending_approvals=5)
+    with build_agent(config(tmp_path, model, AuditLog(store, flush_interval_s=None), limits)) as agent:
+        done = agent.run_sync("clean up", workspace=workspace, run_id="flood")
+    assert done.status == RunStatus.SUCCESS, done.error
+    assert "refused 12" in str(model.requests[-1].messages[-1])
+    kept = approvals.requests("flood")
+    assert sorted(r["action"] for r in kept) == [f"run `rm -r scratch{i}`" for i in range(5)]
+    outcomes = Counter(
+        e.attributes["outcome"] for e in store.events(run_id="flood") if e.kind.value == "approval"
+    )
+    assert outcomes == {"pending": 5, "full": 1, "withdrawn": 5}
+    assert verify(store).ok
+    store.close()
+
+
 def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_path: Path) -> None:
     """A secret the policy denies (`secrets/**`, `.env`) but the repository once committed was
     read back through its history: `git show HEAD:secrets/key` from code, and the git_diff

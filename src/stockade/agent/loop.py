@@ -141,6 +141,7 @@ from stockade.models.messages import (
     UserMessage,
 )
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
+from stockade.policy.approval import MAX_PENDING
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Tool, ToolContext, Toolset, idempotency_key, render, reported_failure
 from stockade.tools.builtin import default_toolset, run_test_command
@@ -192,6 +193,8 @@ class RunLimits:
     max_check_failures: int = 3  # failed acceptance checks before the run ends as "check_failed"
     max_observation_chars: int = 12_000
     max_call_args_bytes: int = MAX_CALL_ARGS_BYTES  # a larger call is refused, as a malformed one
+    # requests kept pending at once; an action asked past them is refused, not kept (ApprovalsFull)
+    max_pending_approvals: int = MAX_PENDING
 
     def __post_init__(self) -> None:
         for name in (
@@ -202,6 +205,7 @@ class RunLimits:
             "max_check_failures",
             "max_observation_chars",
             "max_call_args_bytes",
+            "max_pending_approvals",
         ):
             value = getattr(self, name)
             check_number(value, argument=f"RunLimits.{name}", integer=True, low=0, high=2**62)

@@ -134,7 +134,7 @@ class RecordedApprovals(Approvals):
     """The same approvals, each outcome recorded: approved, denied, or pending (the run pauses)."""
 
     def __init__(self, inner: Approvals, recorder: RunRecorder) -> None:
-        super().__init__(inner.approver, inner.store)
+        super().__init__(inner.approver, inner.store, max_pending=inner.max_pending)
         self.inner = inner
         self.recorder = recorder
 
@@ -145,6 +145,8 @@ class RecordedApprovals(Approvals):
         except exc.ApprovalRequired:
             self.recorder.approval(request, "pending")
             raise
+        except exc.ApprovalsFull:
+            raise  # no request was kept: nothing to list (the trail says once that the run was full)
         except exc.PolicyDenied:
             self.recorder.approval(request, "denied")
             raise

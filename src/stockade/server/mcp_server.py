@@ -317,7 +317,11 @@ class McpFace:
         self, ctx: ServerRequestContext[Any, Any], session: McpSession, pending: PendingApproval
     ) -> None:
         """Get a decision: from the client's user (elicitation), else from whoever runs
-        ``stockade approve`` within ``approval_wait_s``; nobody: denied, and the reason kept."""
+        ``stockade approve``, within ``approval_wait_s`` and the session's wall time left;
+        nobody: denied, and the reason kept. An elicitation is waited for no longer than that:
+        a client that never answered held its call, its sandbox and (over HTTP) its session's
+        slot for good, past ``--approval-wait`` and ``--max-session-s``."""
+        wait_s = round(min(self.approval_wait_s, session.wall_left()), 3)
         caps = ctx.session.client_capabilities
         if (
             self._client_decides
@@ -325,11 +329,17 @@ class McpFace:
             and caps.elicitation is not None
             and ctx.session.can_send_request
         ):
-            answer = await ctx.session.elicit_form(
-                message=_message(pending),
-                requested_schema=_APPROVE_SCHEMA,
-                related_request_id=ctx.request_id,
-            )
+            answer: types.ElicitResult | None = None
+            with anyio.move_on_after(wait_s):
+                answer = await ctx.session.elicit_form(
+                    message=_message(pending),
+                    requested_schema=_APPROVE_SCHEMA,
+                    related_request_id=ctx.request_id,
+                )
+            if answer is None:
+                unanswered = f"nobody: the MCP client answered nothing within {wait_s:g} s"
+                await self._deny(session, pending, unanswered)
+                return
             approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
             choice = Choice.APPROVED if approved else Choice.DENIED
             by = _client_decider(session, answer.action)
@@ -338,19 +348,22 @@ class McpFace:
             return
         print(
             f"stockade mcp: {visible(pending.action)} waits for approval: "
-            f"stockade approve {pending.run_id} {pending.request_id} (or deny); {self.approval_wait_s:g} s",
+            f"stockade approve {pending.run_id} {pending.request_id} (or deny); {wait_s:g} s",
             file=sys.stderr,
             flush=True,
         )
-        deadline = time.monotonic() + self.approval_wait_s
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if await anyio.to_thread.run_sync(lambda: session.decision(pending)) is not None:
                 return
             await anyio.sleep(0.25)
+        await self._deny(session, pending, f"nobody within {wait_s:g} s")
+
+    @staticmethod
+    async def _deny(session: McpSession, pending: PendingApproval, by: str) -> None:
+        """Deny what nobody decided in time; the trail records the no as ``by``'s."""
         with contextlib.suppress(exc.ApprovalDecided):  # decided at the last moment: that stands
-            await anyio.to_thread.run_sync(
-                lambda: session.decide(pending, Choice.DENIED, by=f"nobody within {self.approval_wait_s:g} s")
-            )
+            await anyio.to_thread.run_sync(lambda: session.decide(pending, Choice.DENIED, by=by))
 
     async def _resource(self, ctx: ServerRequestContext[Any, Any], tool: str, args: dict[str, Any]) -> str:
         """The content a resource read gets through the call of ``tool`` (see ``McpSession.call``)."""

@@ -370,6 +370,14 @@ class McpSession:
             raise exc.ConfigurationError("this MCP server has no approval book")
         store.decide(pending.run_id, pending.request_id, choice, by=by)
 
+    def wall_left(self) -> float:
+        """The seconds left of the session's wall time (``--max-session-s``) as its run counts
+        them, as of its last pause: what an approval is waited for at most."""
+        session = self._agent_session
+        last = session.last if session is not None else None
+        spent = last.state.elapsed_s if last is not None else 0.0
+        return max(0.0, self.owner.agent.config.limits.max_wall_s - spent)
+
     def decision(self, pending: PendingApproval) -> Choice | None:
         store = self.owner.agent.approvals.store
         return store.decision(pending.request()) if store is not None else None

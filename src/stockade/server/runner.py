@@ -123,6 +123,7 @@ def run_limits(spec: RunSubmit) -> RunLimits:
     return RunLimits(
         max_steps=limits.max_steps, max_wall_s=limits.max_wall_s,
         max_tokens=limits.max_tokens, max_cost_usd=limits.max_cost_usd,
+        max_pending_approvals=limits.max_pending_approvals,
     )  # fmt: skip
 
 

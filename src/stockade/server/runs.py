@@ -75,6 +75,9 @@ router = APIRouter(tags=["runs"], route_class=JSONRoute)
 
 # a run that waits for someone (an approval; a look at why its actions kept failing): its stream ends too
 _WAITING = frozenset({"paused", "broken"})
+# the pending requests a run's JSON shows (latest first; ``pending_count`` says how many wait, and
+# GET .../approvals pages them all): one run's 2,000 made every GET of it 8.3 MB
+PENDING_SHOWN = 20
 
 
 def owns(principal: Principal, row: RunRow) -> bool:
@@ -125,7 +128,8 @@ def _out(service: Service, row: RunRow, *, detail: bool = False) -> RunOut:
         if summary is not None and summary.status.finished:
             state = service.run_store.load(row.run_id)
             out.answer = state.answer if state is not None else None
-        out.pending_approvals = service.approvals.pending(row.run_id)
+        pending = service.approvals.pending(row.run_id)
+        out.pending_approvals, out.pending_count = pending[:PENDING_SHOWN], len(pending)
     return out
 
 
@@ -355,13 +359,17 @@ async def run_events(
     return HeldStream(stream(), slot=slot, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
-@router.get("/v1/runs/{run_id}/approvals", summary="The run's approval requests and decisions")
-async def list_approvals(run_id: str, request: Request, caller: Caller) -> list[dict[str, str]]:
+@router.get("/v1/runs/{run_id}/approvals", summary="The run's approval requests and decisions, oldest first")
+async def list_approvals(
+    run_id: str, request: Request, caller: Caller,
+    offset: Annotated[int, Query(ge=0, le=2**62, description="leave out this many first")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[dict[str, str]]:  # fmt: skip
     service = get_service(request)
 
     def work() -> list[dict[str, str]]:
         _row(service, caller, run_id)
-        return service.approvals.requests(run_id)
+        return service.approvals.requests(run_id, offset=offset, limit=limit)
 
     found: list[dict[str, str]] = await _blocking(work)
     return found

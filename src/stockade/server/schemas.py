@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from stockade._checks import MAX_COST_USD, MAX_TIMEOUT_S
+from stockade.policy.approval import MAX_PENDING
 from stockade.types import Limits, NetworkPolicy, Trust, limits_from_fields
 
 __all__ = [
@@ -267,6 +268,10 @@ class RunLimitsIn(_In):
     max_wall_s: float = Field(default=900.0, gt=0, le=7 * 86400)
     max_tokens: int = Field(default=1_000_000, ge=1, le=2**62)
     max_cost_usd: float | None = Field(default=None, gt=0, le=MAX_COST_USD)
+    max_pending_approvals: int = Field(
+        default=MAX_PENDING, ge=0, le=10_000,
+        description="approval requests the run keeps pending at once; one more is refused, not kept",
+    )  # fmt: skip
 
 
 class RunSubmit(_In):
@@ -313,7 +318,9 @@ class RunOut(BaseModel):
     cost_usd: float = 0.0
     answer: str | None = None
     error: str | None = None
+    # the latest PENDING_SHOWN of them (the one a paused run waits on first), and how many wait
     pending_approvals: list[dict[str, str]] = []
+    pending_count: int = 0
 
 
 class ApprovalDecision(_In):

@@ -1133,19 +1133,26 @@ class DatabaseApprovals:
             require=(f"SELECT 1 FROM {self.table} {where} AND status = 'approved'", (run_id, request_id)),
         )
 
-    def requests(self, run_id: str) -> list[dict[str, str]]:
-        rows = self.db.query(
-            f"SELECT request_id, action, rule, reason, status, decided_by FROM {self.table} WHERE run_id = ? "
-            "ORDER BY updated_ns",
-            (run_id,),
-        )
-        keys = ("id", "action", "rule", "reason", "status", "by")
-        return [{**dict(zip(keys, map(str, r), strict=True)), "run_id": run_id} for r in rows]
+    def requests(self, run_id: str, *, offset: int = 0, limit: int | None = None) -> list[dict[str, str]]:
+        """The run's requests, oldest first; ``offset`` and ``limit`` page them (the API's)."""
+        return self._select(run_id, "", "ORDER BY updated_ns, request_id", offset=offset, limit=limit)
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
         if run_id is None:
             return []  # the service asks by run: a tenant sees only its own
-        return [r for r in reversed(self.requests(run_id)) if r["status"] == "pending"]  # latest first
+        return self._select(run_id, "AND status = 'pending'", "ORDER BY updated_ns DESC, request_id")
+
+    def _select(
+        self, run_id: str, where: str, order: str, *, offset: int = 0, limit: int | None = None
+    ) -> list[dict[str, str]]:
+        page = "" if limit is None else f" LIMIT {int(limit)} OFFSET {int(offset)}"
+        rows = self.db.query(
+            f"SELECT request_id, action, rule, reason, status, decided_by FROM {self.table} WHERE run_id = ? "
+            f"{where} {order}{page}",
+            (run_id,),
+        )
+        keys = ("id", "action", "rule", "reason", "status", "by")
+        return [{**dict(zip(keys, map(str, r), strict=True)), "run_id": run_id} for r in rows]
 
 
 class DatabaseKillSource:

@@ -4,6 +4,7 @@ machine, the service's database) keep to it, and two workers never both apply on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import stat
 import threading
@@ -12,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from stockade.exceptions import ApprovalDecided, ApprovalRequired, ConfigurationError, PolicyDenied
+from stockade.exceptions import (
+    ApprovalDecided,
+    ApprovalRequired,
+    ApprovalsFull,
+    ConfigurationError,
+    PolicyDenied,
+)
 from stockade.policy.approval import SPENT, ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Choice
 from stockade.server.state import DatabaseApprovals, ServiceStore, open_database
 
@@ -89,6 +96,47 @@ def test_an_answer_that_is_no_choice_refuses_and_books_nothing(
     with pytest.raises(PolicyDenied, match="refused: .*" + why):
         approvals.require(PUSH)
     assert book.requests(PUSH.run_id) == []
+
+
+def rm(i: int) -> ApprovalRequest:
+    return ApprovalRequest(run_id="run-1", action=f"run `rm -r x{i}`", rule="rm -r", reason="deletes")
+
+
+def test_a_run_keeps_so_many_requests_pending_and_refuses_more_on_the_spot(book: ApprovalBook) -> None:
+    """Code looping over distinct `rm -r X$i` kept one request per exec, 2,000 in 21 s. Past
+    `max_pending` a new action is refused now and kept nowhere; one already pending still
+    waits for its decision, and a decision makes room for another."""
+    approvals = Approvals(None, book, max_pending=3)
+    for i in range(3):
+        with pytest.raises(ApprovalRequired):
+            approvals.require(rm(i))
+    with pytest.raises(ApprovalsFull, match="already has 3 requests waiting") as full:
+        approvals.require(rm(3))
+    assert isinstance(full.value, PolicyDenied) and full.value.limit == 3 and not full.value.retryable
+    assert sorted(r["action"] for r in book.requests("run-1")) == [rm(i).action for i in range(3)]
+    with pytest.raises(ApprovalRequired):
+        approvals.require(rm(1))  # the same question again: it waits on
+    book.decide("run-1", rm(0).id, Choice.DENIED, by="alice")
+    with pytest.raises(ApprovalRequired):
+        approvals.require(rm(3))
+    assert len(book.pending("run-1")) == 3 and len(book.requests("run-1")) == 4
+    with pytest.raises(ApprovalRequired):  # another run's requests are its own
+        approvals.require(dataclasses.replace(rm(9), run_id="run-2"))
+
+
+def test_the_services_book_pages_a_runs_requests(tmp_path: Path) -> None:
+    db = open_database(str(tmp_path / "service.db"))
+    try:
+        book = DatabaseApprovals(ServiceStore(db))
+        for i in range(5):
+            book.submit(rm(i))
+        every = book.requests("run-1")
+        assert [r["action"] for r in every] == [rm(i).action for i in range(5)]  # oldest first
+        assert book.requests("run-1", offset=1, limit=2) == every[1:3]
+        assert book.requests("run-1", offset=4, limit=100) == every[4:]
+        assert [r["action"] for r in book.pending("run-1")] == [rm(i).action for i in reversed(range(5))]
+    finally:
+        db.close()
 
 
 def test_a_no_stands_for_the_rest_of_the_run(book: ApprovalBook) -> None:

@@ -24,6 +24,7 @@ from mcp.client.session import ClientRequestContext
 from mcp.shared.exceptions import MCPError
 from starlette.types import ASGIApp
 
+from stockade.agent import RunLimits
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
 from stockade.exceptions import ApprovalRequired, InvalidArgument
@@ -46,9 +47,11 @@ POLICY = Policy(
 def face(
     tmp_path: Path, *, wait_s: float = 5.0, transport: str = "stdio", policy: Policy = POLICY,
     role: str | None = None, rate_per_minute: int | None = None, rate_period_s: float = 60.0,
+    limits: RunLimits | None = None,
 ) -> McpFace:  # fmt: skip
     config = AgentConfig(
         model=MODEL_NAME,
+        limits=limits or RunLimits(),
         policy=policy,
         role=role,
         rate_per_minute=rate_per_minute,
@@ -154,6 +157,43 @@ def test_a_role_that_cannot_approve_is_not_asked_through_its_client(tmp_path: Pa
         if e.kind.value == "approval" and e.attributes["outcome"] != "pending"
     ]
     assert len(decided) == 2 and all("nobody within" in actor for actor in decided), decided
+
+
+async def never_answers(
+    context: ClientRequestContext, params: types.ElicitRequestParams
+) -> types.ElicitResult | types.ErrorData:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "limits", "within"),
+    [(0.5, RunLimits(), "0.5 s"), (300.0, RunLimits(max_wall_s=2.0), "")],
+    ids=["approval-wait", "session-wall-time"],
+)
+def test_an_elicitation_nobody_answers_is_denied_when_the_wait_or_the_session_ends(
+    tmp_path: Path, wait_s: float, limits: RunLimits, within: str
+) -> None:
+    """Found from outside: a client that says it can elicit and never answers held the call
+    (with `--approval-wait 5 --max-session-s 15`, no reply after 61 s), and over HTTP its
+    sandbox and session slot, for good. The question is waited for no longer than the
+    approval wait and the session's wall time left; then it is denied, and the trail says so."""
+    server = face(tmp_path, wait_s=wait_s, limits=limits)
+
+    async def session() -> types.CallToolResult:
+        with anyio.fail_after(30):
+            async with Client(server.server, mode="legacy", elicitation_callback=never_answers) as client:
+                return await client.call_tool("run_code", {"code": "rm -r src", "language": "bash"})
+
+    result = asyncio.run(session())
+    server.close()
+    assert result.is_error, text(result)
+    deniers = [
+        e.actor
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "approval" and e.attributes["outcome"] == "denied"
+    ]
+    assert len(deniers) == 1 and "the MCP client answered nothing within " + within in deniers[0], deniers
 
 
 def test_without_elicitation_a_call_waits_for_a_decision_then_is_denied(tmp_path: Path) -> None:

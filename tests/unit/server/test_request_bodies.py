@@ -160,7 +160,7 @@ def test_every_limit_the_api_takes_is_one_a_run_starts_with() -> None:
         name: next(m.le for m in info.metadata if getattr(m, "le", None) is not None)
         for name, info in RunLimitsIn.model_fields.items()
     }
-    assert set(highest) == {"max_steps", "max_wall_s", "max_tokens", "max_cost_usd"}
+    assert set(highest) == {"max_steps", "max_wall_s", "max_tokens", "max_cost_usd", "max_pending_approvals"}
     spec = RunSubmit.model_validate({"task": "t", "scripted": ["done"], "limits": highest})
     assert run_limits(spec) == RunLimits(**highest)
 

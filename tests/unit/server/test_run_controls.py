@@ -25,6 +25,7 @@ from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore
 from stockade.cli.main import app
 from stockade.models import ScriptedModel, tool_call
+from stockade.policy.approval import ApprovalRequest
 from stockade.policy.schema import Policy, TrustRules
 from stockade.runtime.clock import ManualClock
 from stockade.runtime.killswitch import KillSwitch, kill_all, kill_source_for
@@ -32,6 +33,7 @@ from stockade.runtime.limits import LocalWindow, OnLimit, RateLimit
 from stockade.sandbox.ops import RunCommand
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
+from stockade.server.runs import PENDING_SHOWN
 from stockade.server.schemas import RunSubmit
 from stockade.server.service import Service
 from stockade.server.state import DatabaseKillSource, RunRow, ServiceStore
@@ -398,3 +400,35 @@ async def test_a_tenant_verifies_its_whole_trail_one_at_a_time(
     answered = await http.get("/v1/audit/verify", headers=bearer(setup.other))
     assert answered.status_code == 200 and answered.json()["ok"] is True
     assert not checks.held("other")
+
+
+async def test_a_runs_json_shows_its_latest_pending_requests_and_the_approvals_route_pages_them(
+    http: httpx2.AsyncClient, setup: Setup
+) -> None:
+    """One run's 2,000 pending requests made every GET of it 8.3 MB, and its approvals 8.4 MB.
+    The run shows the latest few with how many wait; its approvals come a page at a time."""
+    # other: acme's tokens may make 3 calls a minute
+    made = await http.post("/v1/runs", headers=bearer(setup.other), json={"task": "t", "scripted": ["done"]})
+    run_id = str(made.json()["run_id"])
+    actions = [f"run `rm -r x{i}`" for i in range(50)]
+    for action in actions:
+        setup.service.approvals.submit(
+            ApprovalRequest(run_id=run_id, action=action, rule="rm -r", reason="r")
+        )
+    run = (await http.get(f"/v1/runs/{run_id}", headers=bearer(setup.other))).json()
+    assert run["pending_count"] == 50
+    assert [r["action"] for r in run["pending_approvals"]] == actions[::-1][:PENDING_SHOWN]  # latest first
+    pages = []
+    for offset in (0, 20, 40):
+        page = await http.get(
+            f"/v1/runs/{run_id}/approvals",
+            headers=bearer(setup.other),
+            params={"offset": offset, "limit": 20},
+        )
+        assert page.status_code == 200, page.text
+        pages += page.json()
+    assert [r["action"] for r in pages] == actions  # oldest first, each once
+    too_many = await http.get(
+        f"/v1/runs/{run_id}/approvals", headers=bearer(setup.other), params={"limit": 5000}
+    )
+    assert too_many.status_code == 422 and too_many.json()["field"] == "limit"
