@@ -368,6 +368,31 @@ def test_a_pending_approval_pauses_the_run_until_decided(
     assert tenant_store.ref("run", run.id) is None
 
 
+def test_a_paused_run_killed_then_deleted_leaves_nothing_in_its_tenants_store(
+    service: tuple[Server, Tokens, Path], acme: Client
+) -> None:
+    """Its kept sandbox (listed nowhere, counted against snapshot_mb) goes with the run: before,
+    killed and deleted, its objects stayed for good and no one could delete them."""
+    turns = [
+        {"name": "run_code", "args": {"code": "head -c 4000000 /dev/urandom > big.bin", "language": "bash"}},
+        {"name": "run_code", "args": {"code": "mkdir -p d && rm -r d", "language": "bash"}},
+        "done",
+    ]
+    run = acme.runs.submit("make and clean", scripted=turns)
+    assert run.wait().status == "paused"
+    tenant_store = SnapshotStore(service[2] / "snapshots" / "acme")
+    ref = tenant_store.ref("run", run.id)
+    assert ref is not None
+    snapshot = tenant_store.load(ref["snapshot"])
+    objects = [tenant_store.object_path(digest) for digest in snapshot.blobs.values()]
+    assert any(path.exists() for path in objects)
+    assert run.kill("no").status == "killed"
+    assert tenant_store.ref("run", run.id) is None
+    assert not any(path.exists() for path in objects)  # its bytes given back at once
+    run.delete()
+    assert tenant_store.ref("run", run.id) is None
+
+
 def test_a_yes_to_an_exec_shown_masked_is_spent_by_that_exec_alone(acme: Client, tmp_path: Path) -> None:
     """Code removes `keep_token=SHOWN1234`: the request shows its value masked, and it is
     approved. Code then removes `keep_token=OTHER5678`, shown alike: it had the same request id,

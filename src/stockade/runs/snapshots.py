@@ -7,8 +7,11 @@ otherwise (the workspace, /tmp, the environment). The snapshot store keeps it un
 ``h-``: no id takes another's ref; the ref names its run, and a run touches no other's) and the
 run's checkpoint names it (``RunState.snapshot``); the session that
 resumes the run starts its sandbox from it, then lets it go (a later crash must not bring back
-memory older than the workspace the run store restores). A run that ends lets it go too:
-``stockade gc`` removes it. ``erase`` removes a run's snapshot at once (``stockade runs erase``).
+memory older than the workspace the run store restores). A run that ends lets it go too, and
+so does a run its owner ends while it waits (a service's kill, delete or retention: the service
+knows its runs; ``kept_runs`` lists what a store keeps). ``stockade gc`` keeps every ``run`` ref:
+it cannot tell a run that ended from one that waits. ``erase`` removes a run's snapshot at once
+(``stockade runs erase``).
 
 A run's process that dies (SIGKILL, a lost machine) cannot take a snapshot as it dies, and a
 killed or interrupted run's sandbox is dead once its kill switch is pulled: such a run resumes
@@ -31,7 +34,7 @@ from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import Limits, NetworkPolicy, SandboxRules, Snapshot, SnapshotKind
 
-__all__ = ["RunSnapshots", "erase_run_snapshots", "ref_name"]
+__all__ = ["RunSnapshots", "erase_run_snapshots", "kept_runs", "ref_name"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,14 @@ def erase_run_snapshots(store: SnapshotStore, run_ids: Sequence[str]) -> int:
             _drop(store, ref[1])
             erased += 1
     return erased
+
+
+def kept_runs(store: SnapshotStore) -> list[str]:
+    """The ids of the runs whose sandbox ``store`` keeps (a ref that names no run is no run's)."""
+    if not (store.root / "refs" / REF).is_dir():
+        return []
+    found = (store.ref(REF, name) or {} for name, _ in store.refs(REF))
+    return sorted({ref["run"] for ref in found if "run" in ref})
 
 
 def _ref(store: SnapshotStore, run_id: str) -> tuple[str, str] | None:

@@ -4,9 +4,10 @@ service once they are older than their tenant's ``keep_runs_days`` (the tenants 
 
 A run's erasure is written in its tenant's audit trail first; then the run is erased from the
 run store (``RunStore.erase``: its rows, the contents and seeds no other run shares; its id
-kept taken, the audit trail untouched), then from the service's tables in one transaction that
-requires it to have ended: a failure between any two leaves the service's row, and erasing it
-again finishes. Several API processes may sweep at once: a run
+kept taken, the audit trail untouched), the sandbox it kept if it was killed while paused (in
+its tenant's snapshot store), then from the service's tables in one transaction that requires
+it to have ended: a failure between any two leaves the service's row, and erasing it again
+finishes. Several API processes may sweep at once: a run
 erased by one is not found by the other.
 """
 
@@ -55,6 +56,7 @@ def erase_run(
     )  # fmt: skip
     audit.check()
     service.run_store.erase([row.run_id])
+    service.snapshots.release_runs(tenant.id, [row.run_id])  # counted against snapshot_mb, listed nowhere
     return service.store.forget_run(row.run_id)
 
 
@@ -71,13 +73,11 @@ class Retention:
         self.service = service
         kept = [k for t in service.tenants.tenants.values() if (k := keep_runs_s(service, t)) is not None]
         # a quarter of the shortest retention: a run is erased at most 25 % past its time
-        self.every_s = min(MAX_EVERY_S, max(1.0, min(kept) / 4)) if kept else None
+        self.every_s = min(MAX_EVERY_S, max(1.0, min(kept) / 4)) if kept else MAX_EVERY_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        if self.every_s is None:  # no tenant has a retention
-            return
         self._thread = threading.Thread(target=self._loop, name="stockade-retention", daemon=True)
         self._thread.start()
 
@@ -87,7 +87,6 @@ class Retention:
             self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        assert self.every_s is not None
         while not self._stop.wait(self.every_s):
             try:
                 self.sweep()
@@ -95,7 +94,9 @@ class Retention:
                 log.warning("runs past their retention not erased this time: %s", error)
 
     def sweep(self) -> int:
-        """Erase every tenant's runs past its retention (up to ``BATCH`` each); how many."""
+        """Erase every tenant's runs past its retention (up to ``BATCH`` each); how many. The
+        sandboxes kept for runs that ended go too."""
+        self.service.snapshots.sweep_ended_runs()
         erased = 0
         now = time.time_ns()
         for tenant in self.service.tenants.tenants.values():

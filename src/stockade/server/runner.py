@@ -49,6 +49,7 @@ from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel
 from stockade.runs.seeds import pack_workspace, unpack_seed
+from stockade.runs.snapshots import erase_run_snapshots
 from stockade.runs.store import RunStore
 from stockade.runtime.events import LimitHit, RuntimeEvent
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, gave_up
@@ -66,7 +67,7 @@ from stockade.server.state import (
     ServiceStore,
     open_database,
 )
-from stockade.server.tenants import Tenant
+from stockade.server.tenants import Tenant, check_share
 from stockade.server.wakes import Wakes
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
@@ -262,6 +263,21 @@ class Runner:
         again later), ``RunDeferred`` (it waits for its tenant's window: run it again after
         ``retry_after``) and retryable errors (the store, the tier); any other error ends the
         run as "error"."""
+        outcome = self._execute(run_id, tenant)
+        if outcome.status in TERMINAL and tenant is not None:
+            # A run that ended for good lets go of the sandbox it kept while it waited: its
+            # session does when it ends, but one that ended without (killed before its resume
+            # began, a spec refused on resume, killed while paused) held it in snapshot_mb.
+            self._release_kept(run_id, tenant)
+        return outcome
+
+    def _release_kept(self, run_id: str, tenant: Tenant) -> None:
+        try:
+            erase_run_snapshots(self.config.snapshot_store(tenant), [run_id])
+        except (exc.StockadeError, OSError) as error:  # the service's sweep drops it later
+            log.warning("run %s: its kept sandbox left for the service's sweep: %s", run_id, error)
+
+    def _execute(self, run_id: str, tenant: Tenant | None) -> RunOutcome:
         row = self.store.run_head(run_id)  # the spec is read once the run has its turn
         if row is None:
             return RunOutcome(run_id=run_id, status="missing", error="no such run")
@@ -371,13 +387,17 @@ class Runner:
         ended "error", saying why)."""
         try:
             spec = RunSubmit.model_validate(self.store.run_spec(run_id) or {})
+            limits = spec.sandbox_limits.build() if spec.sandbox_limits is not None else None
+            # the tenant's ceilings as they are now, as a submission is held to them: lowered
+            # while the run waited (paused, queued), a resumed run kept the larger ones
+            check_share(tenant, limits or Limits(), what="the run's sandbox")
             config = AgentConfig(
                 model=build_model(spec),
                 policy=tenant.policy,
                 role=row.role,
                 trust=spec.trust,
                 tier=spec.tier,
-                sandbox_limits=spec.sandbox_limits.build() if spec.sandbox_limits is not None else None,
+                sandbox_limits=limits,
                 audit=self.audit.get(tenant),
                 limits=run_limits(spec),
                 check=spec.check,
@@ -398,6 +418,13 @@ class Runner:
                 limit_wait_in_place_s=self.config.limit_wait_in_place_s,
                 runtime_observers=(deferral,),
             )  # fmt: skip
+        except exc.QuotaExceeded as error:
+            why = (
+                "the run cannot go on within its tenant's quotas as they are now (lowered since it "
+                f"was submitted): {error}"
+            )
+            self.store.set_status(run_id, "error", error=why)
+            return None
         except exc.StockadeError as error:
             self.store.set_status(run_id, "error", error=described(error))
             return None

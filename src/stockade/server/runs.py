@@ -63,9 +63,9 @@ from stockade.server.schemas import (
 )
 from stockade.server.scratch import scratch
 from stockade.server.service import Service
-from stockade.server.state import TERMINAL, RunRow
+from stockade.server.state import TERMINAL, WAITING, RunRow
 from stockade.server.streams import HeldStream
-from stockade.server.tenants import Principal, check_output_bytes
+from stockade.server.tenants import Principal, check_share
 from stockade.server.uploads import unpack_within
 from stockade.types import Limits, MiB
 
@@ -216,16 +216,7 @@ def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
     elif not engine.allowed_tiers():
         raise exc.PolicyDenied(f"role {caller.role!r} may use no tier", rule=f"roles.{caller.role}.tiers")
     share = body.sandbox_limits.build() if body.sandbox_limits is not None else Limits()
-    quotas = caller.tenant.quotas
-    for quota, needs, limit in (("sandboxes", 1, quotas.sandboxes), ("cpus", share.cpus, quotas.cpus),
-                                ("memory_mb", share.memory_mb, quotas.memory_mb)):  # fmt: skip
-        if needs > limit:  # it would wait queued for ever
-            raise exc.QuotaExceeded(
-                f"the run's sandbox needs {needs:g} {quota}, more than tenant {caller.tenant.id!r}'s "
-                f"whole quota ({limit:g}): ask for smaller sandbox_limits",
-                quota=quota, limit=float(limit), used=0.0,
-            )  # fmt: skip
-    check_output_bytes(caller.tenant, share.output_bytes, what="the run's sandbox")
+    check_share(caller.tenant, share, what="the run's sandbox")  # past them it would wait for ever
     if body.workspace is not None and (
         service.store.workspace_size(caller.tenant.id, caller.role, body.workspace) is None
     ):  # none, or another role's upload: a run starts from its role's uploads alone
@@ -437,10 +428,11 @@ async def kill_run(run_id: str, request: Request, caller: Caller, body: KillRequ
             EventKind.KILL_SWITCH, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
             attributes={"reason": reason, "through": "api"},
         )  # fmt: skip
-        # not running anywhere: it ends here; running: its worker's switch sees the mark
-        if not service.store.set_status(
-            run_id, "killed", error=reason, only_from=("queued", "paused", "interrupted", "broken")
-        ):
+        # not running anywhere: it ends here, and the sandbox it kept while it waited goes (its
+        # snapshot_mb); running: its worker's switch sees the mark
+        if service.store.set_status(run_id, "killed", error=reason, only_from=WAITING):
+            service.snapshots.release_runs(row.tenant, [run_id])
+        else:
             service.kills.kill(run_id, reason)
         updated = service.store.run(run_id)
         assert updated is not None
@@ -476,6 +468,9 @@ async def kill_all_runs(request: Request, caller: Caller, body: KillAllRequest |
         # switches of the runs live now, wherever they run; a run submitted afterwards is not
         # stopped, as with `stockade kill --all`
         ended = service.kills.end_waiting(asked.reason, tenant=tenant)
+        for run in ended:
+            if run.where in WAITING:  # ended here: the sandbox it kept while it waited goes
+                service.snapshots.release_runs(run.tenant, [run.run_id])
         seen = {r.run_id for r in ended}
         pulled = ended + [
             r for r in kill_all(service.kills, asked.reason, tenant=tenant) if r.run_id not in seen

@@ -14,6 +14,14 @@ database says which store keeps each tenant's snapshot (``svc_snapshots``): a pr
 does not share it answers ``SnapshotNotFound`` naming the process that has it, rather than a
 bare "not found", to the role that took it (to another role, a bare "not found").
 
+A paused run's sandbox is kept in its tenant's store too (``run/<run id>``, listed nowhere, no
+role's, within ``snapshot_mb``) until the run goes on or ends. A run the service ends while it
+waits (a kill, a kill-all, ``DELETE /v1/runs/{id}``, the retention) lets it go at once; one a
+process could not let go of (``stockade kill --all --target DB``, which knows no snapshot folder;
+a process that died between the two) is dropped by the service: at its start, before each
+snapshot or pause of its tenant, and every sweep of ``Retention`` (the database says which runs
+ended or are gone).
+
 Within a tenant, a snapshot and a paused sandbox belong to the role that took them (its ref
 names it, ``ROLE_KEY``): only tokens of that role list, restore, resume or delete them; to
 another role of the tenant they are as a snapshot that never was (404). A role may be kept out
@@ -34,17 +42,19 @@ import anyio
 from fastapi import APIRouter, Request, Response
 
 from stockade import exceptions as exc
+from stockade.runs.snapshots import erase_run_snapshots, kept_runs
 from stockade.sandbox.snapshots import ROLE_KEY, MiB, SnapshotStore
 from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
 from stockade.server.schemas import SnapshotOut
+from stockade.server.state import TERMINAL
 from stockade.server.tenants import Principal, Tenant
 from stockade.types import Snapshot
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
 
-__all__ = ["ROLE_KEY", "TenantSnapshots", "by_role", "router"]
+__all__ = ["ROLE_KEY", "TenantSnapshots", "by_role", "release_run_snapshots", "router"]
 
 
 log = logging.getLogger("stockade.server")
@@ -57,6 +67,16 @@ def snapshot_out(snapshot: Snapshot, *, source: str | None = None, paused: str |
         id=snapshot.id, kind=snapshot.kind.value, tier=snapshot.tier, source=source or snapshot.source,
         taken_at=snapshot.taken_at, size_bytes=snapshot.size_bytes, paused=paused,
     )  # fmt: skip
+
+
+def release_run_snapshots(store: SnapshotStore, run_ids: list[str]) -> int:
+    """Erase the sandboxes these runs kept (they ended for good); how many had one. Never
+    fails the caller: what is left, the service drops at its next sweep (``drop_ended_runs``)."""
+    try:
+        return erase_run_snapshots(store, run_ids)
+    except (exc.StockadeError, OSError) as error:
+        log.warning("the kept sandboxes of runs %s left for the next sweep: %s", ", ".join(run_ids), error)
+        return 0
 
 
 def by_role(role: str | None) -> dict[str, str]:
@@ -141,8 +161,10 @@ class TenantSnapshots:
         )
 
     def check_room(self, tenant: Tenant) -> SnapshotStore:
-        """The tenant's store, or ``QuotaExceeded`` when it is full already."""
+        """The tenant's store, or ``QuotaExceeded`` when it is full already (the sandboxes of
+        its runs that ended are no longer counted: they go first)."""
         store = self.store(tenant)
+        self.drop_ended_runs(tenant, store)
         if store.size() >= store.max_bytes:
             raise self.full(tenant, store)
         return store
@@ -186,11 +208,41 @@ class TenantSnapshots:
                     found[sid] = snapshot_out(snapshot, source=paused or ref.get("source"), paused=paused)
         return sorted(found.values(), key=lambda s: s.taken_at, reverse=True)
 
-    def collect(self) -> None:
-        """What each tenant's store keeps that nothing holds (a predecessor's deletes, writes a
-        crash left): gone at start, not counted against ``snapshot_mb``."""
+    def release_runs(self, tenant_id: str | None, run_ids: list[str]) -> int:
+        """The runs of ``tenant_id`` ended for good: the sandboxes they kept go now."""
+        tenant = self.service.tenants.tenants.get(tenant_id or "")
+        if tenant is None or not run_ids:  # a tenant gone: its store is no longer served
+            return 0
+        return release_run_snapshots(self.store(tenant), run_ids)
+
+    def drop_ended_runs(self, tenant: Tenant, store: SnapshotStore | None = None) -> int:
+        """Erase the sandboxes kept for runs of ``tenant`` the database says ended, or does not
+        know (deleted, or never the service's); how many. A run that waits keeps its own."""
+        store = store or self.store(tenant)
+        ended = []
+        for run_id in kept_runs(store):
+            row = self.service.store.run_head(run_id)
+            if row is None or row.status in TERMINAL or row.tenant != tenant.id:
+                ended.append(run_id)
+        return release_run_snapshots(store, ended) if ended else 0
+
+    def sweep_ended_runs(self) -> int:
+        """``drop_ended_runs`` for every tenant (the database away: the next sweep tries again)."""
+        dropped = 0
         for tenant in self.service.tenants.tenants.values():
             try:
+                dropped += self.drop_ended_runs(tenant)
+            except (exc.StockadeError, OSError) as error:
+                log.warning("kept sandboxes of tenant %s's ended runs not dropped now: %s", tenant.id, error)
+        return dropped
+
+    def collect(self) -> None:
+        """What each tenant's store keeps that nothing holds (a predecessor's deletes, writes a
+        crash left, the sandboxes of runs that ended): gone at start, not counted against
+        ``snapshot_mb``."""
+        for tenant in self.service.tenants.tenants.values():
+            try:
+                self.drop_ended_runs(tenant)
                 self.store(tenant).collect()
             except (exc.StockadeError, OSError) as error:
                 log.warning("cannot collect the snapshot store of tenant %s: %s", tenant.id, error)

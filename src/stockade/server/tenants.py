@@ -63,7 +63,7 @@ from stockade import exceptions as exc
 from stockade._config_file import read_config_text
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy
-from stockade.types import MiB
+from stockade.types import Limits, MiB
 
 __all__ = [
     "Principal",
@@ -73,6 +73,7 @@ __all__ = [
     "TenantsFile",
     "TokenRecord",
     "check_output_bytes",
+    "check_share",
     "check_weaker",
     "new_token",
     "parse_token",
@@ -144,6 +145,22 @@ def check_output_bytes(tenant: Tenant, asked: int, *, what: str) -> None:
             "ask for less (a command's output past it is cut, and its true size reported)",
             quota="output_bytes", limit=float(ceiling), used=0.0,
         )  # fmt: skip
+
+
+def check_share(tenant: Tenant, share: Limits, *, what: str) -> None:
+    """``QuotaExceeded`` when a run's sandbox (``share``, its limits) asks for more than the
+    tenant's ceilings: more CPUs, memory or sandboxes than its whole quota (it would wait queued
+    for ever), or more output than its ``output_bytes``."""
+    quotas = tenant.quotas
+    for quota, needs, limit in (("sandboxes", 1, quotas.sandboxes), ("cpus", share.cpus, quotas.cpus),
+                                ("memory_mb", share.memory_mb, quotas.memory_mb)):  # fmt: skip
+        if needs > limit:
+            raise exc.QuotaExceeded(
+                f"{what} needs {needs:g} {quota}, more than tenant {tenant.id!r}'s whole quota "
+                f"({limit:g}): ask for smaller sandbox_limits",
+                quota=quota, limit=float(limit), used=0.0,
+            )  # fmt: skip
+    check_output_bytes(tenant, share.output_bytes, what=what)
 
 
 def check_weaker(tenant: Tenant, weakened: tuple[str, ...], *, what: str) -> None:
