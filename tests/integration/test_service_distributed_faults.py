@@ -164,3 +164,46 @@ def test_a_submit_while_the_broker_is_away_is_503_creates_nothing_and_a_retry_ru
         if worker is not None:
             worker.stop()
         server.stop()
+
+
+def test_an_approval_decided_while_the_broker_is_away_is_kept_and_the_run_goes_on_once_it_is_back(
+    tmp_path: Path, postgres_url: str, own_redis: OwnRedis
+) -> None:
+    """The run paused; Redis stopped; the approval is decided. Before: a 503 "run ... was not
+    sent", yet the decision was recorded and the run queued with no wake and no message:
+    deciding again was a 409, POST /resume a 409 ("run is queued"), and it stayed queued for
+    ever, holding a place of its tenant's runs quota. Now the decision is answered (the run
+    queued, its wake written with it) and a waker sends the run once Redis is back."""
+    import httpx2
+
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path)
+    server = Server(tenants, postgres_url, tmp_path, redis=own_redis.url)
+    worker = Worker(tenants, postgres_url, own_redis.url, "stockade", tmp_path, "a")
+    auth = {"Authorization": f"Bearer {tokens.acme}"}
+    try:
+        with Client(server.url, tokens.acme) as client:
+            turns = [
+                {"name": "run_code", "args": {"code": "rm -r nothing || true", "language": "bash"}},
+                "ok",
+            ]
+            run = client.runs.submit("needs approval", scripted=turns)
+            assert run.wait(timeout_s=60).status == "paused", (run.info, worker.output()[-3000:])
+            [request] = run.refresh().info["pending_approvals"]
+
+            worker.stop()
+            own_redis.stop()
+            decided = httpx2.post(
+                f"{server.url}/v1/runs/{run.id}/approvals/{request['id']}",
+                json={"decision": "approve"}, headers=auth, timeout=60,
+            )  # fmt: skip
+            assert decided.status_code == 200, decided.text
+            assert decided.json()["status"] == "queued" and decided.json()["pending_approvals"] == []
+
+            own_redis.start()
+            worker = Worker(tenants, postgres_url, own_redis.url, "stockade", tmp_path, "b")
+            assert run.wait(timeout_s=90).status == "success", (run.info, worker.output()[-3000:])
+            assert client.verify_audit()["ok"]
+    finally:
+        worker.stop()
+        server.stop()
