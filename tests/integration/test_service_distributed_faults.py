@@ -207,3 +207,55 @@ def test_an_approval_decided_while_the_broker_is_away_is_kept_and_the_run_goes_o
     finally:
         worker.stop()
         server.stop()
+
+
+def test_a_decision_racing_a_run_that_pauses_on_postgresql_waits_and_the_run_is_queued(
+    postgres_url: str,
+) -> None:
+    """A decision's transaction holds the pending request when the runner writes how its run
+    stopped: the runner's check (``FOR UPDATE``) waits for it, then finds nothing pending and
+    queues the run, its wake with it. (Before, it wrote ``paused`` with nothing pending, and the
+    decision, which had found the run running, sent nothing: paused for ever.)"""
+    import threading
+
+    import psycopg
+
+    from stockade.policy.approval import ApprovalRequest
+    from stockade.server.state import DatabaseApprovals, ServiceStore, open_database
+    from stockade.server.wakes import Wakes
+
+    store = ServiceStore(open_database(postgres_url))
+    try:
+        assert store.add_run(
+            run_id="r1", tenant="acme", role="dev", spec={"task": "t"}, labels={}, max_active=5
+        )
+        assert store.set_status("r1", "running", only_from=("queued",))
+        approvals = DatabaseApprovals(store)
+        request = ApprovalRequest(
+            run_id="r1", action="run `rm -r d`", rule="commands.approve", reason="asked"
+        )
+        approvals.submit(request)
+        paused: list[bool] = []
+        with psycopg.connect(postgres_url) as deciding:  # a decision, not yet committed
+            deciding.execute(
+                "UPDATE svc_approvals SET status = 'approved' WHERE run_id = 'r1' AND request_id = %s",
+                (request.id,),
+            )
+            pausing = threading.Thread(target=lambda: paused.append(store.pause("r1", error="waits")))
+            pausing.start()
+            deciding.commit()
+        pausing.join(30)
+        assert paused == [False]
+        row = store.run("r1")
+        assert row is not None and row.status == "queued", row
+        assert Wakes(store.db).at("r1") is not None
+        # with a request pending, the run pauses (its wake dropped: a person sends it on)
+        assert store.set_status("r1", "running", only_from=("queued",))
+        approvals.submit(
+            ApprovalRequest(run_id="r1", action="run `rm -r e`", rule="commands.approve", reason="x")
+        )
+        assert store.pause("r1", error="waits")
+        row = store.run("r1")
+        assert row is not None and row.status == "paused" and Wakes(store.db).at("r1") is None, row
+    finally:
+        store.close()
