@@ -164,3 +164,98 @@ def test_a_submit_while_the_broker_is_away_is_503_creates_nothing_and_a_retry_ru
         if worker is not None:
             worker.stop()
         server.stop()
+
+
+def test_an_approval_decided_while_the_broker_is_away_is_kept_and_the_run_goes_on_once_it_is_back(
+    tmp_path: Path, postgres_url: str, own_redis: OwnRedis
+) -> None:
+    """The run paused; Redis stopped; the approval is decided. Before: a 503 "run ... was not
+    sent", yet the decision was recorded and the run queued with no wake and no message:
+    deciding again was a 409, POST /resume a 409 ("run is queued"), and it stayed queued for
+    ever, holding a place of its tenant's runs quota. Now the decision is answered (the run
+    queued, its wake written with it) and a waker sends the run once Redis is back."""
+    import httpx2
+
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path)
+    server = Server(tenants, postgres_url, tmp_path, redis=own_redis.url)
+    worker = Worker(tenants, postgres_url, own_redis.url, "stockade", tmp_path, "a")
+    auth = {"Authorization": f"Bearer {tokens.acme}"}
+    try:
+        with Client(server.url, tokens.acme) as client:
+            turns = [
+                {"name": "run_code", "args": {"code": "rm -r nothing || true", "language": "bash"}},
+                "ok",
+            ]
+            run = client.runs.submit("needs approval", scripted=turns)
+            assert run.wait(timeout_s=60).status == "paused", (run.info, worker.output()[-3000:])
+            [request] = run.refresh().info["pending_approvals"]
+
+            worker.stop()
+            own_redis.stop()
+            decided = httpx2.post(
+                f"{server.url}/v1/runs/{run.id}/approvals/{request['id']}",
+                json={"decision": "approve"}, headers=auth, timeout=60,
+            )  # fmt: skip
+            assert decided.status_code == 200, decided.text
+            assert decided.json()["status"] == "queued" and decided.json()["pending_approvals"] == []
+
+            own_redis.start()
+            worker = Worker(tenants, postgres_url, own_redis.url, "stockade", tmp_path, "b")
+            assert run.wait(timeout_s=90).status == "success", (run.info, worker.output()[-3000:])
+            assert client.verify_audit()["ok"]
+    finally:
+        worker.stop()
+        server.stop()
+
+
+def test_a_decision_racing_a_run_that_pauses_on_postgresql_waits_and_the_run_is_queued(
+    postgres_url: str,
+) -> None:
+    """A decision's transaction holds the pending request when the runner writes how its run
+    stopped: the runner's check (``FOR UPDATE``) waits for it, then finds nothing pending and
+    queues the run, its wake with it. (Before, it wrote ``paused`` with nothing pending, and the
+    decision, which had found the run running, sent nothing: paused for ever.)"""
+    import threading
+
+    import psycopg
+
+    from stockade.policy.approval import ApprovalRequest
+    from stockade.server.state import DatabaseApprovals, ServiceStore, open_database
+    from stockade.server.wakes import Wakes
+
+    store = ServiceStore(open_database(postgres_url))
+    try:
+        assert store.add_run(
+            run_id="r1", tenant="acme", role="dev", spec={"task": "t"}, labels={}, max_active=5
+        )
+        assert store.set_status("r1", "running", only_from=("queued",))
+        approvals = DatabaseApprovals(store)
+        request = ApprovalRequest(
+            run_id="r1", action="run `rm -r d`", rule="commands.approve", reason="asked"
+        )
+        approvals.submit(request)
+        paused: list[bool] = []
+        with psycopg.connect(postgres_url) as deciding:  # a decision, not yet committed
+            deciding.execute(
+                "UPDATE svc_approvals SET status = 'approved' WHERE run_id = 'r1' AND request_id = %s",
+                (request.id,),
+            )
+            pausing = threading.Thread(target=lambda: paused.append(store.pause("r1", error="waits")))
+            pausing.start()
+            deciding.commit()
+        pausing.join(30)
+        assert paused == [False]
+        row = store.run("r1")
+        assert row is not None and row.status == "queued", row
+        assert Wakes(store.db).at("r1") is not None
+        # with a request pending, the run pauses (its wake dropped: a person sends it on)
+        assert store.set_status("r1", "running", only_from=("queued",))
+        approvals.submit(
+            ApprovalRequest(run_id="r1", action="run `rm -r e`", rule="commands.approve", reason="x")
+        )
+        assert store.pause("r1", error="waits")
+        row = store.run("r1")
+        assert row is not None and row.status == "paused" and Wakes(store.db).at("r1") is None, row
+    finally:
+        store.close()

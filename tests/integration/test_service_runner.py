@@ -2,21 +2,23 @@
 broker's second copy, or a waker's send of a run whose first worker was slow to claim it, must
 leave the run to the process that holds it; a copy of a paused or broken run's message leaves it
 waiting for a person; a run whose worker died after its end was recorded still gets its
-artifacts."""
+artifacts. And a run that cannot go on as it was left: its approvals decided before it had
+paused, its tenant's quota cut below its sandbox while it waited."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from stockade import exceptions as exc
-from stockade.policy.approval import Choice
+from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.runner import Runner
-from stockade.server.state import open_database
+from stockade.server.state import DatabaseApprovals, open_database
 from stockade.server.tenants import Tenant
 from stockade.types import MiB
 from tests.conftest import require_tier
@@ -108,6 +110,9 @@ def test_a_copy_of_a_paused_runs_message_starts_nothing_until_its_approval_is_de
     assert runner.execute("r1", _acme(runner)).status == "paused"
     row = runner.store.run("r1")
     assert row is not None and row.status == "paused" and row.attempts == 1, row
+    # it says how a service's run is decided: `stockade approve` is a local command
+    assert row.error is not None and "stockade approve" not in row.error, row.error
+    assert f"POST /v1/runs/r1/approvals/{request['id']}" in row.error, row.error
     # a decision queues it, then sends it (decide_approval)
     runner.approvals.decide("r1", request["id"], Choice.APPROVED, by="test")
     assert runner.store.set_status("r1", "queued", only_from=("paused",))
@@ -165,3 +170,40 @@ def test_a_run_submitted_before_workspaces_had_a_role_starts_from_the_one_kept_t
     assert data is not None
     unpack_seed(data, tmp_path / "got")
     assert (tmp_path / "got" / "README.md").read_text() == "from before"
+
+
+class ApprovesOnSight(DatabaseApprovals):
+    """A person who approves each request the moment it is listed: before its run has paused
+    (its sandbox is being kept for seconds meanwhile), when the decision sends nothing on."""
+
+    def submit(self, request: ApprovalRequest) -> None:
+        super().submit(request)
+        self.decide(request.run_id, request.id, Choice.APPROVED, by="quick")
+
+
+def test_a_run_whose_approvals_were_decided_while_it_paused_is_queued_and_goes_on(runner: Runner) -> None:
+    runner.approvals = ApprovesOnSight(runner.store)
+    needs_approval = {"name": "run_code", "args": {"code": "rm -r nothing || true", "language": "bash"}}
+    _submit(runner, "r1", [needs_approval, "done"])
+    # before, it was written "paused" with nothing pending: nothing sent it on, ever
+    with pytest.raises(exc.RunDeferred):  # the executor runs it again at once
+        runner.execute("r1", _acme(runner))
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "queued", row
+    assert runner.wakes.at("r1") is not None  # a waker sends it should this worker die now
+    assert runner.store.holds("acme") == []
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    assert _called(runner, "r1") == ["run_code"]
+
+
+def test_a_run_whose_tenants_quota_was_cut_below_its_sandbox_ends_error_saying_so(runner: Runner) -> None:
+    _submit(runner, "r1", ["done"], sandbox_limits={"cpus": 2, "memory_mb": 512})
+    acme = _acme(runner)
+    cut = dataclasses.replace(acme, quotas=dataclasses.replace(acme.quotas, cpus=1.0))
+    # before, QuotaExceeded each time: queued for ever, asking, holding a place of `runs`
+    outcome = runner.execute("r1", cut)
+    assert outcome.status == "error", outcome
+    assert outcome.error is not None and "needs 2 cpus" in outcome.error and "(1)" in outcome.error, outcome
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "error" and row.attempts == 0, row
+    assert runner.store.holds("acme") == [] and runner.wakes.at("r1") is None

@@ -32,6 +32,7 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import shutil
 import socket
 import threading
@@ -73,7 +74,9 @@ from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
 from stockade.types import Limits, MiB
 
-__all__ = ["QUOTA_POLL_S", "RunOutcome", "Runner", "load_toolset", "quota_wait_s", "scripted_model"]
+__all__ = [
+    "QUOTA_POLL_S", "RunOutcome", "Runner", "load_toolset", "quota_wait_s", "scripted_model",
+]  # fmt: skip
 
 log = logging.getLogger("stockade.runner")
 QUOTA_POLL_S = 2.0  # how often a run that waits for room in its tenant's quota asks again
@@ -155,6 +158,19 @@ def load_toolset(reference: str | None) -> Toolset:
     if not isinstance(toolset, Toolset):
         raise exc.ConfigurationError(f"{reference!r} is not a Toolset")
     return toolset
+
+
+# how the agent loop words a pause: a local command, which does nothing to a service's run
+_LOCAL_APPROVE = re.compile(r"stockade approve (\S+) (\S+)")
+
+
+def _service_words(error: str | None) -> str | None:
+    """A paused run's error as the service's user decides it: its approvals route, or the viewer."""
+    if error is None:
+        return None
+    return _LOCAL_APPROVE.sub(
+        r'POST /v1/runs/\1/approvals/\2 {"decision": "approve"} (or "deny"; or the run viewer)', error
+    )
 
 
 class _Deferral:
@@ -375,6 +391,15 @@ class Runner:
         if result.status is RunStatus.INTERRUPTED and deferral.hit is not None:
             return self._defer(run_id, deferral.hit)
         status = result.status.value
+        if result.status is RunStatus.PAUSED:
+            asked = _service_words(result.error)
+            if not self.store.pause(run_id, error=asked):
+                # its approvals were decided while it was pausing, which sent nothing (it was
+                # running): queued, it is sent on as a decision of a paused run would have
+                raise exc.RunDeferred(
+                    f"run {run_id}: its approvals were decided while it paused; sent on", retry_after=0.5
+                )
+            return RunOutcome(run_id=run_id, status=status, error=asked)
         # a kill pulled before the run watched its switch (queued): the switch is cleared with
         # the session, so the service's own status keeps the word
         self.store.set_status(run_id, status, error=result.error)
@@ -471,6 +496,19 @@ class Runner:
         """Hold the run's share of the tenant's quota (``QuotaExceeded``: it waits), then mark
         it running; the run as it ended instead, when a kill ended it meanwhile."""
         was = row.status
+        try:
+            check_share(tenant, share, what="the run's sandbox")
+        except exc.QuotaExceeded as error:
+            # its tenant's quota was cut below it after it was submitted (the API refuses such
+            # a run at once): waiting queued, it asked for ever and held a place of `runs`
+            why = f"{error} (its tenant's quotas were lowered after it was submitted)"
+            self.store.set_status(run_id, "error", error=why, only_from=[was])
+            now = self.store.run_head(run_id)
+            return RunOutcome(
+                run_id=run_id,
+                status=now.status if now is not None else "missing",
+                error=now.error if now else None,
+            )
         try:
             self.store.hold_run(
                 run_id=run_id, tenant=tenant.id, worker=self.name, cpus=share.cpus, memory_mb=share.memory_mb,

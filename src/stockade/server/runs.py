@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -67,11 +68,13 @@ from stockade.server.state import TERMINAL, WAITING, RunRow
 from stockade.server.streams import HeldStream
 from stockade.server.tenants import Principal, check_share
 from stockade.server.uploads import unpack_within
+from stockade.server.wakes import RESEND_S, SEND_RETRY_S, Wakes
 from stockade.types import Limits, MiB
 
 __all__ = ["decide_approval", "owns", "router", "run_status"]
 
 router = APIRouter(tags=["runs"], route_class=JSONRoute)
+log = logging.getLogger("stockade.runs")
 
 # a run that waits for someone (an approval; a look at why its actions kept failing): its stream ends too
 _WAITING = frozenset({"paused", "broken"})
@@ -404,15 +407,28 @@ def decide_approval(
         EventKind.APPROVAL, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
         attributes={"request_id": request_id, "outcome": choice.value, "through": through},
     )  # fmt: skip
-    # (another decision took the last place meanwhile: the run stays paused, its decisions
-    # made; `resume` sends it on once there is room)
-    if row.status == "paused" and service.store.set_status(
-        run_id, "queued", only_from=("paused",), within=within
-    ):
-        service.executor.submit(run_id, reason="decided")
+    # Tried whatever the status read before: a run pausing meanwhile (its sandbox being kept)
+    # found this decision's request pending and paused, or found it decided and queued itself
+    # (``ServiceStore.pause``). (Another decision took the last place meanwhile: the run stays
+    # paused, its decisions made; `resume` sends it on once there is room.)
+    if service.store.set_status(run_id, "queued", only_from=("paused",), within=within, wake_s=RESEND_S):
+        _send(service, run_id, "decided")
     updated = service.store.run(run_id)
     assert updated is not None
     return _out(service, updated, detail=True)
+
+
+def _send(service: Service, run_id: str, reason: str) -> None:
+    """Send a run just queued, with its wake (``set_status(wake_s=...)``): a send that fails (the
+    broker away) is no error of the request, whose decision or resume is kept; the run's wake
+    comes sooner then, and a waker sends it once the broker is back."""
+    try:
+        service.executor.submit(run_id, reason=reason)
+    except exc.ServiceUnavailable as away:
+        log.warning(
+            "run %s: %s; a waker sends it within %.0f s of the broker's return", run_id, away, SEND_RETRY_S
+        )
+        Wakes(service.store.db, namespace=service.store.ns).set(run_id, SEND_RETRY_S)
 
 
 @router.post("/v1/runs/{run_id}/kill", response_model=RunOut, summary="Kill a run, wherever it runs")
@@ -511,8 +527,10 @@ async def resume_run(run_id: str, request: Request, caller: Caller) -> RunOut:
         )  # fmt: skip
         # the runner resumes it from its last step, the breaker closed (AgentSession.resume);
         # back in the queue, it takes a place of the runs quota, as a submitted run does
-        if service.store.set_status(run_id, "queued", only_from=(row.status,), within=within):
-            service.executor.submit(run_id, reason="resumed")
+        if service.store.set_status(
+            run_id, "queued", only_from=(row.status,), within=within, wake_s=RESEND_S
+        ):
+            _send(service, run_id, "resumed")
         updated = service.store.run(run_id)
         assert updated is not None
         return _out(service, updated, detail=True)

@@ -452,12 +452,15 @@ class ServiceStore:
     def set_status(
         self, run_id: str, status: str, *, error: str | None = None, worker: str | None = None,
         started: bool = False, only_from: Sequence[str] | None = None,
-        within: tuple[str, int] | None = None,
+        within: tuple[str, int] | None = None, wake_s: float | None = None,
+        require: tuple[str, list[object]] | None = None,
     ) -> bool:  # fmt: skip
         """Move a run to ``status`` (only from one of ``only_from`` when given; with ``within``,
         a tenant and its runs quota, only while that tenant has fewer runs queued or running, in
         the same statement); False when it was not in one of them, or the tenant had none to
-        spare."""
+        spare. ``wake_s``, for a run queued: its wake, that long on, written with it (a run
+        sent on from paused or broken had none, and its send may fail or never come).
+        ``require``: instead of ``only_from`` and ``within``, a row the move needs (locked)."""
         now = time.time_ns()
         sets = ["status = ?", "error = ?"]
         params: list[object] = [status, error]
@@ -487,7 +490,8 @@ class ServiceStore:
             params += within
             required += room
             required_params += within
-        require = (required, required_params) if only_from or within is not None else None
+        if require is None and (only_from or within is not None):
+            require = (required, required_params)
         statements: list[Statement] = [
             (f"UPDATE {self.ns}_runs SET {', '.join(sets)} WHERE {where}", [params])
         ]
@@ -497,6 +501,8 @@ class ServiceStore:
             statements.append(wake_statement(self.ns, run_id, now + int(START_GRACE_S * 1e9)))
         elif status != QUEUED:  # paused or ended: nothing to wake (a queued run says when)
             statements.append((f"DELETE FROM {self.ns}_wakes WHERE run_id = ?", [(run_id,)]))
+        elif wake_s is not None:
+            statements.append(wake_statement(self.ns, run_id, now + int(wake_s * 1e9)))
         if status != "running" and self._measure is not None:
             # stopped: what it wrote to the run store counts against its tenant's storage_mb
             rows, ids = self._measure
@@ -504,6 +510,22 @@ class ServiceStore:
                 (f"UPDATE {self.ns}_run_bytes SET store = {rows} WHERE run_id = ?", [(run_id,) * (ids + 1)])
             )
         return self.db.write(statements, require=require)
+
+    def pause(self, run_id: str, *, error: str | None) -> bool:
+        """The run stopped at an approval: "paused" while one of its requests is pending (True).
+        Each decided already (while its sandbox was being kept, the pending request listed for
+        seconds before the run was paused): "queued" instead, with its wake (False), since the
+        decision found it running and sent nothing. The pending requests are locked by the
+        check (``FOR UPDATE``): a decision racing it waits for "paused", then sends the run."""
+        approvals = f"{self.ns}_approvals"
+        if self.set_status(
+            run_id, "paused", error=error,
+            require=(f"SELECT 1 FROM {approvals} WHERE run_id = ? AND status = 'pending'", [run_id]),
+        ):  # fmt: skip
+            return True
+        # the run holds its place of the runs quota (it is running): no room to ask for
+        self.set_status(run_id, QUEUED, only_from=("running",), wake_s=RESEND_S)
+        return False
 
     def waiting_runs(self, tenant: str | None = None) -> list[RunRow]:
         """The runs of ``tenant`` (of every tenant, when None) that wait to run or to go on."""

@@ -13,7 +13,9 @@ and every worker and API process runs a ``Waker`` that sends the runs whose time
   a waker that finds its lease live moves it past the lease's expiry, one that finds none
   (the process died: seen at once on the same machine, else once its lease expired) sends it
   again, and the worker that takes it resumes it where it stopped;
-- a run that pauses or ends loses its row;
+- a run that pauses or ends loses its row; one sent on from paused or broken (a decision,
+  POST /resume) gets it back (``RESEND_S`` on) with its ``queued`` status, so that a send that
+  fails or never comes (its process died) leaves it to a waker, not queued for ever;
 - a run is created with its wake (``RESEND_S`` on): a process that died between recording
   the run and sending it leaves it to a waker, not queued for ever; a send that fails (the
   broker away) brings its wake to ``SEND_RETRY_S`` on.
