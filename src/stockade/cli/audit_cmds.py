@@ -31,7 +31,7 @@ from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import RunsLedger
 from stockade.audit.verify import verify as verify_store
-from stockade.cli._console import CliConsole, escape
+from stockade.cli._console import CliConsole, escape, print_json
 
 if TYPE_CHECKING:
     from stockade.runs import RunStore
@@ -235,23 +235,21 @@ def verify(
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "ok": report.ok and report.found,
-                    "found": report.found,
-                    "checked": report.checked,
-                    "algorithm": report.algorithm,
-                    "head": {"seq": report.last_seq, "hash": report.last_hash},
-                    "run_id": report.run_id,
-                    "run_events": report.run_events,
-                    "problems": [
-                        {"seq": p.seq, "kind": p.kind.value, "detail": p.detail} for p in report.problems
-                    ],
-                    "ledger": ledger is not None,
-                    "problems_elsewhere": report.problems_elsewhere,
-                }
-            )
+        print_json(
+            {
+                "ok": report.ok and report.found,
+                "found": report.found,
+                "checked": report.checked,
+                "algorithm": report.algorithm,
+                "head": {"seq": report.last_seq, "hash": report.last_hash},
+                "run_id": report.run_id,
+                "run_events": report.run_events,
+                "problems": [
+                    {"seq": p.seq, "kind": p.kind.value, "detail": p.detail} for p in report.problems
+                ],
+                "ledger": ledger is not None,
+                "problems_elsewhere": report.problems_elsewhere,
+            }
         )
     else:
         colour = "green" if report.ok and report.found else "red"
