@@ -16,10 +16,12 @@ import contextlib
 import logging
 import os
 import stat
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["create_private", "private_database", "private_dir", "write_private"]
+__all__ = ["create_private", "private_database", "private_dir", "replace_private", "write_private"]
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -45,6 +47,37 @@ def create_private(path: Path) -> TextIO:
     which its owner named, keeps its mode)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     return os.fdopen(fd, "w", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def replace_private(path: Path) -> Iterator[TextIO]:
+    """``path`` written as a new file, renamed over it once the writer is done: until then the
+    file of that name is left whole, and a writer that fails leaves it as it was (an export
+    truncated its output, the database it was reading, before the first read). A new file is
+    0600, one that exists keeps its mode; through a symlink its target is written. What is no
+    regular file (a FIFO, ``/dev/stdout``) cannot be replaced, and is written as it is."""
+    target = Path(os.path.realpath(path))
+    try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with create_private(path) as stream:
+            yield stream
+        return
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        if mode is not None:
+            os.fchmod(fd, stat.S_IMODE(mode))
+        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())  # whole on disk before it takes the name
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 def write_private(path: Path, text: str) -> None:

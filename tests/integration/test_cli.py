@@ -167,3 +167,13 @@ def test_exec_stopped_by_a_signal_removes_its_sandbox(signum: int) -> None:
     assert not rundir.exists()
     mounts = Path("/proc/self/mountinfo").read_text()
     assert sandbox_id not in mounts and sandbox_id not in _cgroups.leftover_groups()
+
+
+def test_exec_json_shows_what_the_command_printed_as_escapes_that_decode_the_same() -> None:
+    """`exec --json` printed the 8-bit CSI (U+009B) and bidi override (U+202E) a command wrote
+    raw, for the terminal to act on."""
+    r = stockade("exec", "--json", "--", "python3", "-c", "print('ok \\u202eevil \\u009b2J')")
+    assert r.returncode == 0, r.stderr
+    assert "\u202e" not in r.stdout and "\x9b" not in r.stdout
+    assert "\\u202e" in r.stdout and "\\u009b" in r.stdout
+    assert json.loads(r.stdout)["stdout"] == "ok \u202eevil \x9b2J\n"

@@ -25,10 +25,10 @@ runner = CliRunner()
 TRUSTED = ("--trust", "trusted", "--tier", "process")
 
 
-def record(db: Path, command: str, workspace: Path) -> str:
+def record(db: Path, command: str, workspace: Path, *, call_id: str = "") -> str:
     turns: list[Turn] = [
         tool_call("read_file", {"path": "app.py"}),
-        tool_call("shell", {"command": command}),
+        tool_call("shell", {"command": command}, id=call_id),
         "done",
     ]
     with open_run_store(f"sqlite:///{db}") as store:
@@ -70,6 +70,17 @@ def test_a_run_whose_output_changes_is_reported_and_exits_one(tmp_path: Path) ->
     (difference,) = report["differences"]
     assert (difference["step"], difference["tool"], difference["what"]) == (2, "shell", "observation")
     assert report["compared"] == 2 and report["replayed_status"] == "success"
+
+
+def test_a_difference_names_the_models_call_id_as_text(tmp_path: Path) -> None:
+    """A model-chosen call id `[/x]` made the report of a difference fail with a MarkupError,
+    exit 1: the code that says "an observation differs"."""
+    require_tier("process")
+    workspace = project(tmp_path)
+    db = record(tmp_path / "audit.db", "date +%N", workspace, call_id="[/x]")
+    result = runner.invoke(app, ["replay", "run-1", "--db", db, "--workspace", str(workspace), *TRUSTED])
+    assert result.exit_code == 1, result.output
+    assert "step 2 shell ([/x]): observation differs" in result.output
 
 
 def test_replay_starts_from_the_workspace_the_run_store_kept(tmp_path: Path) -> None:

@@ -7,13 +7,15 @@ nothing is wrapped or cut: a line of a diff or of a command's output arrives who
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape as escape_markup
 from rich.syntax import Syntax
 
-from stockade._display import visible
+from stockade._display import visible, visible_json
 
-__all__ = ["CliConsole", "escape", "print_diff"]
+__all__ = ["CliConsole", "escape", "print_diff", "print_json"]
 
 
 def escape(text: str, *, one_line: bool = False) -> str:
@@ -22,6 +24,13 @@ def escape(text: str, *, one_line: bool = False) -> str:
     few controls itself (BEL, BS, VT, FF, CR), not ESC. ``one_line``: newlines and tabs too
     (an exec's argv: a newline in it printed a line that looked like another exec)."""
     return escape_markup(visible(text, one_line=one_line))
+
+
+def print_json(value: object) -> None:
+    """``value`` as one line of JSON on stdout (``--json``), what code or a model chose in it
+    (U+009B, an 8-bit CSI; U+202E, a bidi override) as JSON escapes: it decodes to the same
+    value and shows nothing raw on a terminal (``stockade._display``)."""
+    print(visible_json(json.dumps(value, ensure_ascii=False)))
 
 
 # Wide enough for any line; rich sizes tables and text to their content, so nothing is padded.

@@ -59,7 +59,7 @@ class Progress:
     def __call__(self, event: AgentEvent) -> None:
         c = self.console
         if isinstance(event, RunStarted):
-            c.print(f"[bold]run {event.run_id[:12]}[/] with {escape(event.model_name)}")
+            c.print(f"[bold]run {escape(event.run_id[:12])}[/] with {escape(event.model_name)}")
         elif isinstance(event, ModelResponded):
             calls = ", ".join(call.name for call in event.response.tool_calls) or "final answer"
             c.print(f"[cyan]step {event.step}[/] model {event.duration_s * 1000:.0f} ms → {escape(calls)}")
@@ -71,7 +71,7 @@ class Progress:
             if record.call.name == "run_tests" and "\n" in record.observation:
                 summary = record.observation.splitlines()[1]  # the counts, after the command line
             c.print(
-                f"    {mark} {record.call.name}({escape(args)}) {record.duration_s * 1000:.0f} ms  "
+                f"    {mark} {escape(record.call.name)}({escape(args)}) {record.duration_s * 1000:.0f} ms  "
                 f"[dim]{escape(summary[:100])}[/]"
             )
         elif isinstance(event, ToolRejected):
@@ -81,7 +81,7 @@ class Progress:
             name = escape(record.call.name)
             c.print(f"    [red]✗ invalid call[/] {name}({escape(args)})  [dim]{escape(why)}[/]")
         elif isinstance(event, ToolDenied):
-            c.print(f"    [yellow]denied[/] {event.call.name}: {escape(event.reason)}")
+            c.print(f"    [yellow]denied[/] {escape(event.call.name)}: {escape(event.reason)}")
         elif isinstance(event, CheckFinished):
             check = event.record
             mark = "[green]✓ check passed[/]" if check.passed else "[red]✗ check failed[/]"
@@ -177,9 +177,9 @@ def _tell_how_to_resume(result: RunResult, pending: list[dict[str, str]], saved:
     )
     for request in pending:
         out.print(f"  {escape(request['action'])}  [dim]({escape(request['reason'])})[/]")
-        out.print(f"    approve: stockade approve {result.run_id} {request['id']}")
-        out.print(f"    deny:    stockade deny {result.run_id} {request['id']}")
-    out.print(f"  then resume: stockade agent --resume {result.run_id}")
+        out.print(f"    approve: stockade approve {escape(result.run_id)} {escape(request['id'])}")
+        out.print(f"    deny:    stockade deny {escape(result.run_id)} {escape(request['id'])}")
+    out.print(f"  then resume: stockade agent --resume {escape(result.run_id)}")
 
 
 def agent(  # noqa: C901 - a typer command: its options become the run's configuration
@@ -335,9 +335,10 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             build_agent(config) as built,
             built.session(workspace=workspace, run_id=run_id) as session,
         ):
+            run = escape(session.run_id)  # an id a caller chose may hold `[`: never markup
             out.print(
-                f"[dim]run {session.run_id} on the {built.tier} tier ({escape(built.tier_reason)}), "
-                f"audited in {escape(options.audit_db)}; stop it with: stockade kill {session.run_id}[/]"
+                f"[dim]run {run} on the {built.tier} tier ({escape(built.tier_reason)}), "
+                f"audited in {escape(options.audit_db)}; stop it with: stockade kill {run}[/]"
             )
             saved = _paused_dir(state_dir, session.run_id)
             # how the run was started, kept until it ends: a crash leaves it for --resume (never
@@ -349,7 +350,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
 
             def stop(signum: int) -> None:
                 # keep the workspace as it is now, then stop the run where it is: it resumes from here
-                err.print(f"\n[yellow]{signal_name(signum)}: stopping run {session.run_id}[/]")
+                err.print(f"\n[yellow]{signal_name(signum)}: stopping run {run}[/]")
                 try:
                     shutil.rmtree(saved / "workspace", ignore_errors=True)
                     session.save_workspace(saved / "workspace")
@@ -371,16 +372,16 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
                 _tell_how_to_resume(result, ApprovalStore().pending(session.run_id), saved)
             elif result.status == RunStatus.INTERRUPTED:
                 out.print(
-                    f"\n[bold yellow]interrupted[/]: run {session.run_id} stopped mid-step; its workspace is "
-                    f"kept in {escape(str(saved))}\n  resume it: stockade agent --resume {session.run_id}"
+                    f"\n[bold yellow]interrupted[/]: run {run} stopped mid-step; its workspace is "
+                    f"kept in {escape(str(saved))}\n  resume it: stockade agent --resume {run}"
                 )
             elif result.status == RunStatus.BROKEN:
                 shutil.rmtree(saved / "workspace", ignore_errors=True)
                 session.save_workspace(saved / "workspace")
                 out.print(
-                    f"\n[bold red]broken[/]: run {session.run_id}'s actions kept failing; it is stopped, its "
+                    f"\n[bold red]broken[/]: run {run}'s actions kept failing; it is stopped, its "
                     f"workspace kept in {escape(str(saved))}\n  {escape(result.error or '')}\n"
-                    f"  once the cause is fixed, resume it: stockade agent --resume {session.run_id}"
+                    f"  once the cause is fixed, resume it: stockade agent --resume {run}"
                 )
             else:
                 shutil.rmtree(saved, ignore_errors=True)
@@ -431,15 +432,15 @@ def demo(
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
-    out.print(f"\naudit run id: {result.run_id}")
+    out.print(f"\naudit run id: {escape(result.run_id)}")
     if not report.ok:
         err.print(f"[red]audit chain broken:[/] {escape(report.summary())}")
         raise typer.Exit(1)
     out.print(f"audit chain verified: {report.checked} events")
     where = "" if db == DEFAULT_DB_FILE else f" --db sqlite:///{escape(str(db))}"
     me = escape(_program())
-    out.print(f"[dim]see the run: {me} runs show {result.run_id}{where}[/]")
-    out.print(f"[dim]see its audit events: {me} audit tail{where} --run {result.run_id}[/]")
+    out.print(f"[dim]see the run: {me} runs show {escape(result.run_id)}{where}[/]")
+    out.print(f"[dim]see its audit events: {me} audit tail{where} --run {escape(result.run_id)}[/]")
     raise typer.Exit(0 if result.ok else 1)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -23,14 +24,14 @@ import typer
 from stockade import exceptions as exc
 from stockade._config_file import audit_key
 from stockade._display import visible, visible_json
-from stockade._private import create_private
+from stockade._private import replace_private
 from stockade._sqlite_reader import SQLiteReader
 from stockade.audit.events import AuditEvent
 from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import RunsLedger
 from stockade.audit.verify import verify as verify_store
-from stockade.cli._console import CliConsole, escape
+from stockade.cli._console import CliConsole, escape, print_json
 
 if TYPE_CHECKING:
     from stockade.runs import RunStore
@@ -234,23 +235,21 @@ def verify(
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "ok": report.ok and report.found,
-                    "found": report.found,
-                    "checked": report.checked,
-                    "algorithm": report.algorithm,
-                    "head": {"seq": report.last_seq, "hash": report.last_hash},
-                    "run_id": report.run_id,
-                    "run_events": report.run_events,
-                    "problems": [
-                        {"seq": p.seq, "kind": p.kind.value, "detail": p.detail} for p in report.problems
-                    ],
-                    "ledger": ledger is not None,
-                    "problems_elsewhere": report.problems_elsewhere,
-                }
-            )
+        print_json(
+            {
+                "ok": report.ok and report.found,
+                "found": report.found,
+                "checked": report.checked,
+                "algorithm": report.algorithm,
+                "head": {"seq": report.last_seq, "hash": report.last_hash},
+                "run_id": report.run_id,
+                "run_events": report.run_events,
+                "problems": [
+                    {"seq": p.seq, "kind": p.kind.value, "detail": p.detail} for p in report.problems
+                ],
+                "ledger": ledger is not None,
+                "problems_elsewhere": report.problems_elsewhere,
+            }
         )
     else:
         colour = "green" if report.ok and report.found else "red"
@@ -287,19 +286,60 @@ def export(
     after: Annotated[int, typer.Option("--after", help="only events after this seq")] = 0,
     namespace: NamespaceOpt = "audit",
 ) -> None:
-    """Write events as JSON Lines (one event per line, with its hash) for a SIEM."""
-    with _store(db, namespace) as store:
-        stream = create_private(output) if output is not None else sys.stdout  # as private as the store
-        written, last = 0, after
+    """Write events as JSON Lines (one event per line, with its hash) for a SIEM. The output
+    file takes its name once the export is done (a failed export leaves it as it was), and is
+    never the database itself, nor its -wal, -shm or -journal."""
+    if output is not None:
+        _refuse_own_file(output, db)
+    written, last = 0, after
+    failure: exc.AuditError | None = None
+    with _store(db, namespace) as store, _output(output) as stream:  # as private as the store
         try:
             for event in store.events(run_id=run, after_seq=after):
                 _write(event, stream)
                 written, last = written + 1, event.seq
-        except exc.AuditError as error:  # the export is cut here: say so, never end as if whole
-            raise _stop(error, f"after seq {last} ({written} events exported)") from error
-        finally:
-            if output is not None:
-                stream.close()
+        except exc.AuditError as error:  # the events read so far are written, and the cut said
+            failure = error
+    if failure is not None:  # never end as if whole
+        raise _stop(failure, f"after seq {last} ({written} events exported)") from failure
+
+
+@contextlib.contextmanager
+def _output(output: Path | None) -> Iterator[TextIO]:
+    if output is None:
+        yield sys.stdout
+    else:
+        with replace_private(output) as stream:
+            yield stream
+
+
+_SQLITE_FILES = ("", "-wal", "-shm", "-journal")
+
+
+def _refuse_own_file(output: Path, db: str) -> None:
+    """Exit 2 when ``output`` is the SQLite database ``db`` or one of its files, by name or
+    as the same file (a symlink, a hard link): the export would replace what it reads."""
+    if "://" in db and not db.startswith("sqlite:///"):
+        return
+    path = Path(db.removeprefix("sqlite:///"))
+    names = {
+        os.path.realpath(f"{base}{suffix}")
+        for base in (path, os.path.realpath(path))
+        for suffix in _SQLITE_FILES
+    }
+    same = os.path.realpath(output) in names
+    with contextlib.suppress(OSError):
+        shown = os.stat(output)
+        for name in names:
+            with contextlib.suppress(OSError):
+                held = os.stat(name)
+                same = same or (held.st_dev, held.st_ino) == (shown.st_dev, shown.st_ino)
+    if same:
+        err.print(
+            f"[red]--output {escape(str(output))} is the audit database {escape(str(path))} or one of its "
+            "files[/]: the export would replace what it reads; write it elsewhere"
+        )
+        raise typer.Exit(2)
 
 
 def _line(event: AuditEvent) -> str:

@@ -13,7 +13,6 @@ resumes with ``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from stockade import exceptions as exc
-from stockade.cli._console import CliConsole, escape
+from stockade.cli._console import CliConsole, escape, print_json
 from stockade.policy.schema import Policy, Verdict
 from stockade.sandbox import _registry
 from stockade.types import Trust
@@ -190,7 +189,7 @@ def check(
         problems = []
     if problems:
         if as_json:
-            print(json.dumps({"file": str(file), "valid": False, "problems": problems}, ensure_ascii=False))
+            print_json({"file": str(file), "valid": False, "problems": problems})
         else:
             for problem in problems:
                 err.print(f"[red]error:[/red] {escape(problem)}")
@@ -217,7 +216,7 @@ def check(
                 if tier == "microvm" or not policy.compliance.profiles
             ],
         }
-        print(json.dumps(summary, ensure_ascii=False))
+        print_json(summary)
         return
     out.print(
         f"{escape(file.name)}: valid — {len(c.allow)} allowed / {len(c.deny)} denied / "
@@ -225,8 +224,9 @@ def check(
         f"network {'on' if policy.network.enabled else 'off'}, trust {policy.trust.level.value}"
     )
     if policy.compliance.profiles:
+        declared = escape(", ".join(policy.compliance.profiles))
         out.print(
-            f"declares compliance profiles {', '.join(policy.compliance.profiles)} (the microvm tier only); "
+            f"declares compliance profiles {declared} (the microvm tier only); "
             "check their requirements with --compliance declared"
         )
 
@@ -253,7 +253,7 @@ def _check_compliance(
     profiles = [p for a in asked for p in (policy.compliance.profiles if a == "declared" else a.split(","))]
     unknown = sorted({p for p in profiles if p not in PROFILES})
     if unknown or not profiles:
-        err.print(f"[red]error:[/red] no profile {', '.join(unknown) or '(none declared)'}; "
+        err.print(f"[red]error:[/red] no profile {escape(', '.join(unknown)) or '(none declared)'}; "
                   f"the profiles are: {', '.join(PROFILES)}")  # fmt: skip
         raise typer.Exit(2)
     setup = Setup(  # what `stockade agent` would start with
@@ -272,14 +272,14 @@ def _check_compliance(
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     if as_json:
-        print(json.dumps(_report_json(report), ensure_ascii=False))
+        print_json(_report_json(report))
         raise typer.Exit(0 if report.ok else 1)
     out.print("[dim]compliance checkpoints, not certifications: they check what stockade can see[/]")
     for profile in report.profiles:
         findings = [f for f in report.findings if f.requirement.profile == profile]
         met = sum(f.met for f in findings)
         colour = "green" if met == len(findings) else "red"
-        out.print(f"\n[bold]{profile}[/]: [{colour}]{met} of {len(findings)} requirements met[/]")
+        out.print(f"\n[bold]{escape(profile)}[/]: [{colour}]{met} of {len(findings)} requirements met[/]")
         for f in findings:
             mark = "[green]met[/]    " if f.met else "[red]not met[/]"
             out.print(f"  {mark} {escape(f.requirement.control)}: {escape(f.requirement.text)}")
@@ -389,7 +389,7 @@ def explain(
         }
         if prompted is not None:
             body["prompt"] = {"verdict": prompted.verdict, "rules": list(prompted.rules)}
-        print(json.dumps(body, ensure_ascii=False))
+        print_json(body)
         raise typer.Exit(_EXPLAIN_EXIT[overall])
     out.print(f"[bold]{escape(file.name)}[/], role {escape(role or '-')}, trust {policy.trust.level.value}")
     colours = {"allow": "green", "approve": "yellow", "deny": "red"}

@@ -25,7 +25,7 @@ from rich.table import Table
 from stockade import exceptions as exc
 from stockade._config_file import audit_key
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
-from stockade.cli._console import CliConsole, escape, print_diff
+from stockade.cli._console import CliConsole, escape, print_diff, print_json
 from stockade.cli._numbers import checked
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
@@ -134,7 +134,7 @@ def list_runs(
     with _store(db, namespace, read_only=True) as store:
         runs = store.runs(limit=limit, status=status)
     if as_json:
-        print(json.dumps([_summary_json(s) for s in runs], ensure_ascii=False))
+        print_json([_summary_json(s) for s in runs])
         return
     table = Table("run", "updated", "status", "steps", "tokens", "cost", "task", box=None)
     for s in runs:
@@ -237,7 +237,8 @@ def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int, 
         facts.insert(0, f"exit {code}")
     if record.error_type:
         facts.append(record.error_type)
-    out.print(f"  {mark} {record.call.name}({escape(_cut(args, 160))})  {', '.join(facts)}")
+    # the tool name and call id are the model's: `[link=...]` drew a link, `[/x]` raised MarkupError
+    out.print(f"  {mark} {escape(record.call.name)}({escape(_cut(args, 160))})  {escape(', '.join(facts))}")
     for retry in trace.retries_of(step, record.call.id):
         out.print(
             f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
@@ -318,7 +319,8 @@ def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> Non
         )
     for approval in trace.approvals:
         out.print(
-            f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → {approval.decision}"
+            f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → "
+            f"{escape(approval.decision)}"
         )
     if state.error:
         label = {RunStatus.KILLED: "killed", RunStatus.BROKEN: "broken"}.get(s.status, "")
@@ -356,7 +358,7 @@ def show(
     if as_json:
         shown = trace_json(trace, limit=chars)
         shown["execs"] = execs  # by tool call id: what the sandbox's rules judged inside
-        print(json.dumps(shown, ensure_ascii=False))
+        print_json(shown)
     else:
         _print_trace(trace, chars, execs)
 
@@ -495,30 +497,27 @@ def replay(
             err.print(f"[yellow]stopped by {stop}; the sandbox was removed[/]")
             raise typer.Exit(signal_exit_code(stop.signum)) from None
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "run_id": report.run_id,
-                    "replay_id": report.replay_id,
-                    "tier": report.tier,
-                    "ok": report.ok,
-                    "recorded_status": report.recorded_status.value,
-                    "replayed_status": report.replayed_status.value,
-                    "compared": report.compared,
-                    "differences": [
-                        {
-                            "step": d.step,
-                            "call_id": d.call_id,
-                            "tool": d.tool,
-                            "what": d.what,
-                            "recorded": d.recorded,
-                            "replayed": d.replayed,
-                        }
-                        for d in report.differences
-                    ],
-                },
-                ensure_ascii=False,
-            )
+        print_json(
+            {
+                "run_id": report.run_id,
+                "replay_id": report.replay_id,
+                "tier": report.tier,
+                "ok": report.ok,
+                "recorded_status": report.recorded_status.value,
+                "replayed_status": report.replayed_status.value,
+                "compared": report.compared,
+                "differences": [
+                    {
+                        "step": d.step,
+                        "call_id": d.call_id,
+                        "tool": d.tool,
+                        "what": d.what,
+                        "recorded": d.recorded,
+                        "replayed": d.replayed,
+                    }
+                    for d in report.differences
+                ],
+            },
         )
     else:
         out.print(
@@ -529,7 +528,9 @@ def replay(
         if report.ok:
             out.print("[green]every observation matches the record[/]")
         for d in report.differences:
-            out.print(f"\n[red]step {d.step} {escape(d.tool)} ({d.call_id}): {d.what} differs[/]")
+            out.print(
+                f"\n[red]step {d.step} {escape(d.tool)} ({escape(d.call_id)}): {escape(d.what)} differs[/]"
+            )
             out.print(f"  [dim]recorded:[/] {escape(_cut(d.recorded, SHOWN_CHARS))}", highlight=False)
             out.print(f"  [dim]replayed:[/] {escape(_cut(d.replayed, SHOWN_CHARS))}", highlight=False)
     raise typer.Exit(0 if report.ok else 1)
@@ -749,7 +750,7 @@ def erase(
             raise typer.Exit(2) from error
     if not erased and not sealed and not unrecorded and not kept and not paused:
         err.print(
-            f"nothing to erase: no run of {subject!r} in {escape(db)}"
+            f"nothing to erase: no run of {escape(repr(subject))} in {escape(db)}"
             if not named
             else f"nothing to erase: {escape(', '.join(named))} erased already"
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -14,7 +13,7 @@ import typer
 
 from stockade import exceptions as exc
 from stockade._checks import check_envs
-from stockade.cli._console import CliConsole, escape
+from stockade.cli._console import CliConsole, escape, print_json
 from stockade.cli._signals import Interrupted, exit_code, interruptible
 from stockade.sandbox import _filetable, _registry, _rules
 from stockade.sandbox.facade import Sandbox
@@ -83,7 +82,7 @@ def doctor(
     files_fix = file_table_fix(_filetable.file_max(), _filetable.host_memory())
     reports = [_with_host_fix(_registry.probe(tier), files_fix) for tier in _registry.TIERS]
     if as_json:
-        print(json.dumps([_report_json(r) for r in reports], ensure_ascii=False))
+        print_json([_report_json(r) for r in reports])
         return
     for report in reports:
         tier = report.tier
@@ -231,7 +230,7 @@ def exec_(
         err.print(f"[yellow]stockade: stopped by {stop}; the sandbox and everything in it were removed[/]")
         raise typer.Exit(exit_code(stop.signum)) from None
     if as_json:
-        print(json.dumps({**_result_json(result), "tier": used}, ensure_ascii=False))
+        print_json({**_result_json(result), "tier": used})
     if result.truncated:
         cap = limits.output_bytes
         for name, size in (("stdout", result.stdout_bytes), ("stderr", result.stderr_bytes)):
@@ -366,7 +365,7 @@ def gc(
         if engine.remote:
             out.print("kept this host's firewall rules: the engine asked (DOCKER_HOST) is another host's")
     for line in removed:
-        out.print(f"removed {line}")
+        out.print(f"removed {escape(line)}")
     out.print(f"{len(removed)} leftover(s) removed")
 
 

@@ -12,7 +12,7 @@ import typer
 
 from stockade import exceptions as exc
 from stockade._config_file import audit_key, read_config_text
-from stockade.cli._console import CliConsole, escape
+from stockade.cli._console import CliConsole, escape, print_json
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -168,7 +168,9 @@ def serve(
             f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"
         )
         described = "API docs at /docs" if docs else "OpenAPI at /openapi.json (--docs for /docs)"
-        err.print(f"[dim]stockade serve on http://{host}:{port} ({escape(mode)}); {described}[/]")
+        err.print(
+            f"[dim]stockade serve on {escape(f'http://{host}:{port}')} ({escape(mode)}); {described}[/]"
+        )
         run_server(config, host=host, port=port, connections=connections)  # type: ignore[arg-type]
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
@@ -199,7 +201,7 @@ def worker(
     try:
         from stockade.distributed.worker import run_worker
     except ModuleNotFoundError as missing:
-        err.print(f'[red]error:[/] {missing}: pip install "stockade[celery,server,postgres]"')
+        err.print(f'[red]error:[/] {escape(str(missing))}: pip install "stockade\\[celery,server,postgres]"')
         raise typer.Exit(2) from None
     try:
         config = _config(
@@ -287,7 +289,6 @@ def workspaces_list(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON list")] = False,
 ) -> None:  # fmt: skip
     """The tenant's uploaded workspaces, newest first: id, the role that uploaded it, size."""
-    import json
 
     from stockade.server.state import ServiceStore, open_database
 
@@ -297,11 +298,7 @@ def workspaces_list(
     finally:
         store.close()
     if as_json:
-        print(
-            json.dumps(
-                [{"id": d, "role": role, "bytes": size, "uploaded_ns": ns} for d, role, size, ns in rows]
-            )
-        )
+        print_json([{"id": d, "role": role, "bytes": size, "uploaded_ns": ns} for d, role, size, ns in rows])
         return
     for digest, role, size, _ in rows:
         out.print(f"{escape(digest)}  {escape(role or '-')}  {size:,} bytes")

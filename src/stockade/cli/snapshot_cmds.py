@@ -12,7 +12,6 @@ is reached by no token of a tenant whose policy has roles, yet counts against it
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +21,7 @@ import typer
 from rich.table import Table
 
 from stockade import exceptions as exc
-from stockade.cli._console import CliConsole, escape
+from stockade.cli._console import CliConsole, escape, print_json
 from stockade.sandbox.snapshots import Held, SnapshotStore
 
 out = CliConsole()
@@ -57,7 +56,7 @@ def list_snapshots(
     kinds = ("paused", "kept", "run", "boot") if boot else ("paused", "kept", "run")
     held = _role_less(store) if no_role else store.held(kinds)
     if as_json:
-        print(json.dumps([_held_json(h) for h in held]))
+        print_json([_held_json(h) for h in held])
         return
     table = Table("snapshot", "kind", "tier", "size", "taken", "held by", "role", box=None)
     for h in held:

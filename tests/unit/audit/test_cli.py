@@ -86,6 +86,54 @@ def test_an_export_of_an_argv_of_bytes_that_are_no_utf8_is_whole_and_utf8(tmp_pa
     assert events[0]["attributes"]["argv"] == ["true", "\udcff"]
 
 
+@pytest.mark.parametrize("named", ["itself", "symlink", "hard link", "its -wal", "its -shm"])
+def test_an_export_never_writes_over_the_database_it_reads(tmp_path: Path, named: str) -> None:
+    """`audit export -o audit.db` emptied the file before reading it: a 204,800-byte trail of
+    12 events (and the run store sharing the file) became 0 bytes, and the export failed."""
+    path = tmp_path / "a.db"
+    db = make_store(path)
+    before = path.read_bytes()
+    output = {
+        "itself": path,
+        "symlink": tmp_path / "link.jsonl",
+        "hard link": tmp_path / "hard.jsonl",
+        "its -wal": tmp_path / "a.db-wal",
+        "its -shm": tmp_path / "a.db-shm",
+    }[named]
+    if named == "symlink":
+        output.symlink_to(path)
+    elif named == "hard link":
+        os.link(path, output)
+
+    result = runner.invoke(app, ["audit", "export", "--db", db, "-o", str(output)])
+    assert result.exit_code == 2, result.output
+    assert "is the audit database" in result.output
+    assert path.read_bytes() == before
+    assert runner.invoke(app, ["audit", "verify", "--db", db]).exit_code == 0
+
+
+def test_an_export_replaces_its_output_only_when_done_and_writes_through_a_symlink(tmp_path: Path) -> None:
+    db = make_store(tmp_path / "a.db")
+    target = tmp_path / "siem" / "events.jsonl"
+    target.parent.mkdir()
+    target.write_text("yesterday's export\n")
+    target.chmod(0o640)
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(target)
+
+    result = runner.invoke(app, ["audit", "export", "--db", db, "-o", str(link)])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and [json.loads(line)["seq"] for line in target.read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    assert target.stat().st_mode & 0o777 == 0o640  # the owner's choice, kept
+    assert os.listdir(target.parent) == ["events.jsonl"]  # no temporary file left behind
+
+
 def test_tail_prints_the_last_events(tmp_path: Path) -> None:
     result = runner.invoke(app, ["audit", "tail", "--db", make_store(tmp_path / "a.db"), "-n", "2"])
     assert result.exit_code == 0

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from stockade._private import replace_private
 from stockade._state import sqlite_files
 from stockade.audit import AuditLog, EventKind, SQLiteStore
 from stockade.cli.main import app
@@ -94,6 +95,16 @@ def test_an_audit_export_to_a_file_is_0600(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
+
+
+def test_a_replaced_file_is_left_as_it_was_when_its_writer_fails(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text("the last whole export\n")
+    with pytest.raises(RuntimeError), replace_private(out) as stream:
+        stream.write("half of")
+        raise RuntimeError("the writer stopped")
+    assert out.read_text() == "the last whole export\n"
+    assert os.listdir(tmp_path) == ["out.jsonl"]
 
 
 def test_an_existing_store_others_can_read_is_warned_about_and_left_as_it_is(

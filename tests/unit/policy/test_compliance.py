@@ -228,6 +228,8 @@ def test_policy_check_prints_every_requirement_met_or_not_and_how_to_fix_it(
     assert audit["met"] and audit["fix"] is None
     unknown = CliRunner().invoke(app, ["policy", "check", str(open_policy), "--compliance", "iso27001"])
     assert unknown.exit_code == 2
+    markup = CliRunner().invoke(app, ["policy", "check", str(open_policy), "--compliance", "[/x]"])
+    assert markup.exit_code == 2 and "no profile [/x]" in markup.output  # named, not a MarkupError
 
 
 def test_retention_erases_runs_older_than_the_period(tmp_path: Path) -> None:

@@ -111,3 +111,49 @@ def test_piped_output_is_never_wrapped_or_cut(tmp_path: Path) -> None:
     assert f"+{long_line}\n" in result.output  # the diff line arrives whole, not at 80 columns
     listed = runner.invoke(app, ["runs", "list", "--db", f"sqlite:///{db}"])
     assert max(len(line) for line in listed.output.splitlines()) > 80  # the table is not squeezed
+
+
+LINKED = "[link=https://evil.example/]read_file[/link]"
+
+
+def hostile_run(path: Path) -> str:
+    """A run whose model named tools and a call id with rich markup, and wrote a file whose
+    text and a task that hold an 8-bit CSI (U+009B) and a bidi override (U+202E)."""
+    turns: list[Turn] = [
+        tool_call(LINKED, {"path": "a.py"}),
+        tool_call("[/bold]", {}, id="[/x]"),
+        tool_call("write_file", {"path": "b.txt", "content": "ok \u202eevil\u202c \x9b2J\n"}),
+        "done",
+    ]
+    with open_run_store(f"sqlite:///{path}") as store:
+        agent = Agent(ScriptedModel(turns), checkpointer=store, observers=[RunRecorder(store)])
+        with Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx:
+            agent.run_sync("clean \u202eup\x9b", sandbox=sbx, run_id="run-hostile")
+    return f"sqlite:///{path}"
+
+
+def test_show_prints_the_models_tool_names_and_call_ids_as_text_never_as_markup(tmp_path: Path) -> None:
+    """A tool named `[link=https://evil.example/]read_file[/link]` was drawn as a plain read_file
+    call that was a link to evil.example, and one named `[/bold]` made `runs show` fail with a
+    MarkupError (exit 1): that run could never be shown."""
+    db = hostile_run(tmp_path / "audit.db")
+    result = runner.invoke(app, ["runs", "show", "run-hostile", "--db", db])
+    assert result.exit_code == 0, result.output
+    assert f'{LINKED}({{"path": "a.py"}})' in result.output
+    assert "[/bold]({})" in result.output
+
+
+def test_every_json_output_shows_controls_as_escapes_and_decodes_the_same(tmp_path: Path) -> None:
+    """`runs show --json` and `runs list --json` printed U+009B (which a terminal acts on) and
+    U+202E raw, where `runs show` and `audit export` show them escaped."""
+    db = hostile_run(tmp_path / "audit.db")
+    raw = {"\x9b", "\u202e", "\u202c"}
+    shown = runner.invoke(app, ["runs", "show", "run-hostile", "--db", db, "--json"])
+    listed = runner.invoke(app, ["runs", "list", "--db", db, "--json"])
+    for result in (shown, listed):
+        assert result.exit_code == 0, result.output
+        assert not set(result.stdout) & raw
+        assert "\\u202e" in result.stdout and "\\u009b" in result.stdout
+    assert json.loads(listed.stdout)[0]["task"] == "clean \u202eup\x9b"
+    write = json.loads(shown.stdout)["steps"][2]["tool_calls"][0]
+    assert write["args"]["content"] == "ok \u202eevil\u202c \x9b2J\n"
