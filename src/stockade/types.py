@@ -60,6 +60,7 @@ FILE_COST_BYTES = 3072
 INODES_PER_MIB = 64  # the workspace's files by default: 32,768 at 512 MiB, 96 MiB of that
 MIN_SCRATCH_INODES = 256  # /tmp's and /dev/shm's at the least (a build's temporary files)
 MAX_INODES = 2**31 - 1  # a tmpfs's nr_inodes on every tier's kernel
+MAX_PENDING_APPROVALS = 100  # requests a run keeps pending at most (RunLimits.max_pending_approvals)
 
 
 @dataclass(frozen=True, kw_only=True)

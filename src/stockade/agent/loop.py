@@ -141,12 +141,12 @@ from stockade.models.messages import (
     UserMessage,
 )
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
-from stockade.policy.approval import MAX_PENDING
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Tool, ToolContext, Toolset, idempotency_key, render, reported_failure
 from stockade.tools.builtin import default_toolset, run_test_command
 from stockade.tools.observations import bound, clip
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
+from stockade.types import MAX_PENDING_APPROVALS
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class RunLimits:
     max_observation_chars: int = 12_000
     max_call_args_bytes: int = MAX_CALL_ARGS_BYTES  # a larger call is refused, as a malformed one
     # requests kept pending at once; an action asked past them is refused, not kept (ApprovalsFull)
-    max_pending_approvals: int = MAX_PENDING
+    max_pending_approvals: int = MAX_PENDING_APPROVALS
 
     def __post_init__(self) -> None:
         for name in (

@@ -55,6 +55,7 @@ from stockade.exceptions import (
     ConfigurationError,
     PolicyDenied,
 )
+from stockade.types import MAX_PENDING_APPROVALS
 
 __all__ = [
     "CLIENT_ACTOR",
@@ -349,7 +350,7 @@ def _unbooked() -> tuple[Redactor, bytes]:
 
 
 _TURNS = 8  # Approvals.require's reads of a decision others change under it
-MAX_PENDING = 100  # requests a run keeps pending at most (RunLimits.max_pending_approvals)
+MAX_PENDING = MAX_PENDING_APPROVALS
 
 
 class Approvals:
