@@ -17,7 +17,7 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import Client, RemoteSandbox
-from stockade.sandbox.snapshots import MiB, SnapshotStore
+from stockade.sandbox.snapshots import MARKER, MiB, SnapshotStore
 from stockade.types import SnapshotKind
 from tests.conftest import require_tier
 from tests.integration.service_env import Server, Tokens, write_tenants
@@ -190,11 +190,42 @@ def test_gc_collects_a_service_snapshot_folder(tmp_path: Path) -> None:
         for path in (left[tenant], held[tenant]):
             os.utime(path, (time.time() - 3600, time.time() - 3600))
     (tmp_path / "store-id").write_text("0" * 32)
-    gc = subprocess.run(
-        [sys.executable, "-m", "stockade.cli.main", "gc", "--snapshot-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    (tmp_path / "other" / MARKER).unlink()  # a store an older version made, before the mark
+    gc = _gc(tmp_path)
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert "removed snapshot object" in gc.stdout
     assert not any(path.exists() for path in left.values())
     assert all(path.exists() for path in held.values())  # a kept snapshot's object stays
+
+
+def _gc(folder: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stockade.cli.main", "gc", "--snapshot-dir", str(folder)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_gc_given_a_folder_of_projects_removes_none_of_their_files(tmp_path: Path) -> None:
+    """A folder that holds a tmp/ or an objects/ is no store: gc given their parent (or a
+    home) removed projA/tmp/notes.txt, projA/tmp/build/out.o, projA/objects/abc123, and
+    followed a link to another folder's tmp/."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    project = home / "projA"
+    for root in (project, elsewhere):
+        (root / "tmp" / "build").mkdir(parents=True)
+        (root / "objects").mkdir()
+        for path in (
+            root / "tmp" / "notes.txt",
+            root / "tmp" / "build" / "out.o",
+            root / "objects" / "abc123",
+        ):
+            path.write_text("data")
+            os.utime(path, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+    (home / "tenantX").symlink_to(elsewhere)
+    before = sorted(tmp_path.rglob("*"))
+    for folder in (home, project):
+        gc = _gc(folder)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        assert f"no snapshot store in {folder}" in gc.stdout
+        assert "unfinished snapshot write" not in gc.stdout
+    assert sorted(tmp_path.rglob("*")) == before

@@ -37,6 +37,7 @@ from stockade import (
 )
 from stockade.audit import AuditedBackend, EventKind, verify
 from stockade.sandbox.process import ProcessBackend
+from stockade.sandbox.snapshots import MARKER
 from stockade.testing import capture_audit
 from tests.conftest import require_tier
 from tests.integration.conftest import TIERS
@@ -291,8 +292,11 @@ class DiskWatch:
 
 
 def disk_bytes(folder: Path) -> int:
+    """What the snapshots left in a store: its files, but the mark that it is a store."""
     total = 0
     for path in folder.rglob("*"):
+        if path.name == MARKER:
+            continue
         with contextlib.suppress(FileNotFoundError):
             st = path.lstat()
             total += st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0

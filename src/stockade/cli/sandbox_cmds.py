@@ -333,6 +333,7 @@ def gc(
     """Remove what crashed processes left behind: cgroups, mounts, run folders, containers, and
     snapshots nothing keeps."""
     from stockade.sandbox import _gc
+    from stockade.sandbox.snapshots import MARKER
 
     engine = None
     if network:  # lasting, like the image: shared by every process's full-network sandboxes
@@ -351,6 +352,11 @@ def gc(
     for folder in snapshot_dir or ():
         if not folder.is_dir():
             out.print(f"no snapshot folder {escape(str(folder))}: nothing collected there")
+        elif not _gc.snapshot_stores(folder):
+            out.print(
+                f"no snapshot store in {escape(str(folder))} (a store holds a {MARKER} file): "
+                "nothing collected there"
+            )
     removed = _gc.collect(snapshot_dir or ())
     if engine is not None:
         from stockade.sandbox import _netfull
@@ -365,7 +371,7 @@ def gc(
         if engine.remote:
             out.print("kept this host's firewall rules: the engine asked (DOCKER_HOST) is another host's")
     for line in removed:
-        out.print(f"removed {escape(line)}")
+        out.print(f"removed {escape(line, one_line=True)}")  # a file's name, shown, never acted on
     out.print(f"{len(removed)} leftover(s) removed")
 
 

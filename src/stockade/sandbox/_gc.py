@@ -5,17 +5,20 @@ Each tier module may define ``collect_garbage() -> list[str]``; ``collect`` runs
 tiers whose module imports (a missing optional dependency means that tier left nothing).
 The host's snapshot store is collected, and each folder of ``snapshot_dirs``: a store, or a
 service's snapshot folder (``serve --snapshot-dir``), whose every tenant's store is collected.
+A store is known by its mark (``SnapshotStore.recognised``), never by its folders' names: a
+parent folder given by mistake, whose projects held a tmp/ or an objects/, lost their files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
 from stockade.sandbox._registry import TIERS
-
-_STORE_PARTS = ("objects", "snapshots", "refs", "tmp")
+from stockade.sandbox.snapshots import SnapshotStore
 
 
 def collect(snapshot_dirs: Iterable[Path] = ()) -> list[str]:
@@ -28,21 +31,26 @@ def collect(snapshot_dirs: Iterable[Path] = ()) -> list[str]:
         collector = getattr(module, "collect_garbage", None)
         if collector is not None:
             removed += collector()
-    from stockade.sandbox.snapshots import SnapshotStore
-
     removed += SnapshotStore.default().collect()
     for folder in snapshot_dirs:
         for store in snapshot_stores(folder):
-            removed += SnapshotStore(store).collect()
+            removed += store.collect()
     from stockade.server import scratch  # the service's, in the default temporary folder
 
     removed += scratch.collect()
     return removed
 
 
-def snapshot_stores(folder: Path) -> list[Path]:
-    """``folder`` if it is a snapshot store, else the stores in it (a service's tenants')."""
-    if any((folder / part).is_dir() for part in _STORE_PARTS):
-        return [folder]
-    children = sorted(folder.iterdir()) if folder.is_dir() else []
-    return [child for child in children if any((child / part).is_dir() for part in _STORE_PARTS)]
+def snapshot_stores(folder: Path) -> list[SnapshotStore]:
+    """``folder`` if it is a snapshot store, else the stores in it (a service's tenants'): a
+    child reached through a link is none (it leads out of the folder, to another's files)."""
+    store = SnapshotStore(folder)
+    if store.recognised():
+        return [store]
+    found = []
+    with contextlib.suppress(OSError):  # not a folder, or not ours to read: no store
+        for child in sorted(folder.iterdir()):
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(child.lstat().st_mode) and (store := SnapshotStore(child)).recognised():
+                    found.append(store)
+    return found

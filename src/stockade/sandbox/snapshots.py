@@ -12,6 +12,7 @@
                                   writer; named by when it began, so the oldest sorts first)
       reading/<id>-<pid>-<token>  the objects a restore is reading (kept until it ends)
       lock                        taken while room is counted and reserved
+      .stockade-snapshot-store    the mark that this folder is a store (its layout's version)
 
 Every object is named by the SHA-256 of its bytes and every manifest by the SHA-256 of its
 text, so a snapshot is its id: before anything is restored, the manifest and each object are
@@ -26,7 +27,9 @@ place hung a restore, a link to /dev/zero streamed zeros), and an object added a
 replaces the one there (kept, one damaged since was stamped anew with its damage).
 
 Objects are kept once, whatever shares them (every fork of one snapshot, two snapshots of
-one workspace). ``collect`` (``stockade gc``) removes what no ref keeps, ``discard`` a
+one workspace). ``collect`` (``stockade gc``) removes what no ref keeps, in a folder
+``recognised`` as a store only, and there only names the store writes (a folder given by
+mistake, a home or a project holding a tmp/, lost its files to gc once), ``discard`` a
 snapshot and, at once, the objects only it used; the store holds at
 most ``max_bytes`` (disk blocks), dropping the boot images used longest ago first, and
 refuses a snapshot that would not fit otherwise. Room is reserved before a byte is written
@@ -99,6 +102,22 @@ WAIT_S = 30.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _WRITER = re.compile(r"-([0-9]+)-[0-9a-f]{8,12}$")  # the pid in a ``temp_path``'s or claim's name
+# What the store writes, and all that collection removes: a ``temp_path`` (and a boot image's
+# lock beside them) in tmp/, objects and their stamps (being written: ``.<hex>-<token>``),
+# manifests. Anything else there is no store's: it stays, whatever its age.
+_WRITE_NAME = re.compile(
+    r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,127}-[0-9]+-[0-9a-f]{12}|boot-[0-9a-f]{16}\.lock)$", re.ASCII
+)
+_STAMP_NAME = re.compile(r"^\.?[0-9a-f]{64}(?:-[0-9a-f]{8})?$")
+_MANIFEST_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
+# Written when a store is made: no folder is collected without it (but one an older version
+# made, known by its layout, and marked then). Its format is the layout's: a newer one's
+# store is not collected by code that may misjudge it.
+MARKER = ".stockade-snapshot-store"
+STORE_FORMAT = 1
+_MARKER_KIND = "stockade snapshot store"
+_STORE_PARTS = frozenset({"objects", "snapshots", "refs", "verified", "tmp", "reserved", "reading", "lock"})
+_MAX_MANIFEST = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -201,7 +220,50 @@ class SnapshotStore:
             root = _trusted.folder(self.root, 0o700)
             os.chmod(root, 0o700)
             path.mkdir(exist_ok=True, mode=0o700)
+        # What holds snapshots is a store from its first write on (one an older version made
+        # too): a lock or a read alone marks nothing (``snapshots delete`` given a wrong folder)
+        if name in ("objects", "snapshots", "refs", "tmp") and not os.path.lexists(self.root / MARKER):
+            self._mark()
         return path
+
+    def _mark(self) -> None:
+        marker = self.root / MARKER
+        tmp = marker.with_name(f"{MARKER}.{secrets.token_hex(4)}")
+        try:
+            tmp.write_text(json.dumps({"store": _MARKER_KIND, "format": STORE_FORMAT}) + "\n")
+            os.replace(tmp, marker)
+        except OSError:  # a store mounted read-only: nothing here collects it either
+            tmp.unlink(missing_ok=True)
+
+    def recognised(self) -> bool:
+        """Whether the folder is a snapshot store, which ``collect`` may remove from: it holds
+        the store's mark (``MARKER``), or it is a store an older version made, before the
+        mark, known by a layout nothing else has (only the store's folders; objects named by
+        64 hex digits; manifests that hash to their names), and marked now."""
+        if self._marked():
+            return True
+        if not _made_before_marks(self.root):
+            return False
+        self._mark()
+        return True
+
+    def _marked(self) -> bool:
+        try:
+            fd = os.open(self.root / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            data = json.loads(os.read(fd, 4096))
+        except (OSError, ValueError):
+            return False
+        finally:
+            os.close(fd)
+        return isinstance(data, dict) and (data.get("store"), data.get("format")) == (
+            _MARKER_KIND,
+            STORE_FORMAT,
+        )
 
     def object_path(self, digest: str) -> Path:
         if not _DIGEST.match(check_text(digest, argument="digest", fix="give an object's SHA-256 in hex")):
@@ -672,8 +734,8 @@ class SnapshotStore:
         on the disk: two writers killed mid-snapshot left 333 MB past a 200 MB cap, found from
         outside)."""
         for path in _entries(self.root / "tmp"):
-            if _writer_gone(path):
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            if _WRITE_NAME.fullmatch(path.name) and _writer_gone(path):
+                _remove(path)
         held: dict[str, int] = {}
         for path in _entries(self.root / "reserved"):
             if path == own:
@@ -743,8 +805,8 @@ class SnapshotStore:
         check_number(grace_s, argument="grace_s", integer=False, low=0, high=MAX_TIMEOUT_S, unit="seconds")
         check_text(keep, argument="keep")
         check_instance(evicted, frozenset, argument="evicted", fix="give a frozenset of object digests")
-        if not self.root.is_dir():
-            return []
+        if not self.root.is_dir() or not self.recognised():
+            return []  # no store's: nothing in it is ours to remove
         now = time.time()
 
         def old(path: Path) -> bool:
@@ -756,8 +818,10 @@ class SnapshotStore:
         removed: list[str] = []
         kept = self._live_refs(removed) | ({keep} if keep else set())
         used = self._live_manifests(kept, old, removed) | self._being_read()
-        for sub in ("objects", "verified"):
+        for sub, named in (("objects", _DIGEST), ("verified", _STAMP_NAME)):
             for path in _entries(self.root / sub):
+                if not named.fullmatch(path.name) or _is_folder(path):  # not the store's: it stays
+                    continue
                 name = path.name.lstrip(".").split("-")[0]
                 # a stamp of an object no snapshot uses goes at once, but not one being written
                 # (its rename then failed); an object of a snapshot in the making is young
@@ -767,10 +831,12 @@ class SnapshotStore:
                     if sub == "objects":
                         removed.append(f"snapshot object {name[:16]}")
         for path in _entries(self.root / "tmp"):
+            if not _WRITE_NAME.fullmatch(path.name):  # not written by a store: it stays
+                continue
             with contextlib.suppress(FileNotFoundError):  # moved into place while we looked
                 if now - path.lstat().st_mtime <= max(grace_s, 3600.0) and not _writer_gone(path):
                     continue
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                _remove(path)
                 removed.append(f"unfinished snapshot write {path.name}")
         return removed
 
@@ -814,6 +880,8 @@ class SnapshotStore:
         """The objects of the snapshots kept (or too young to judge); the others are removed."""
         used: set[str] = set()
         for path in _entries(self.root / "snapshots"):
+            if not _MANIFEST_NAME.fullmatch(path.name) or _is_folder(path):  # not the store's: it stays
+                continue
             sid = ID_PREFIX + path.name[:ID_HEX]
             if sid not in kept and old(path):
                 path.unlink(missing_ok=True)
@@ -943,7 +1011,75 @@ def _check_mapping(value: object, *, argument: str) -> Mapping[Any, Any]:
 
 
 def _entries(folder: Path) -> list[Path]:
-    return sorted(folder.iterdir()) if folder.is_dir() else []
+    """What ``folder`` holds; nothing when it is a link (the store made it a folder: a link
+    in its place leads elsewhere, to what is not the store's)."""
+    return [] if not _is_folder(folder) else sorted(folder.iterdir())
+
+
+def _is_folder(path: Path) -> bool:
+    """A folder itself, not a link to one."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    """A file, link or folder of the store's tmp/: a link is removed, never followed."""
+    if _is_folder(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _made_before_marks(root: Path) -> bool:
+    """Whether ``root`` is a store an older version made: only the store's own folders, and
+    at least one object or manifest; every object named by its SHA-256, every manifest a
+    text that hashes to its name and parses as one. A folder that merely holds a tmp/ or an
+    objects/ (a project's, a home) is none."""
+    try:
+        names = set(os.listdir(root))
+        if not names <= _STORE_PARTS | {MARKER} or not names & {"objects", "snapshots"}:
+            return False
+        if not all(_is_folder(root / name) for name in names - {"lock", MARKER}):
+            return False
+        found = 0
+        for path in _entries(root / "objects"):
+            if not _DIGEST.fullmatch(path.name) or not stat.S_ISREG(path.lstat().st_mode):
+                return False
+            found += 1
+        for path in _entries(root / "snapshots"):
+            if not _MANIFEST_NAME.fullmatch(path.name) or not _is_manifest(path):
+                return False
+            found += 1
+        kinds = {path.name for path in _entries(root / "refs")}
+        return found > 0 and kinds <= set(REF_KINDS)
+    except OSError:
+        return False
+
+
+def _is_manifest(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        with open(fd, "rb", closefd=False) as fh:
+            text = fh.read(_MAX_MANIFEST + 1)
+        data = json.loads(text)
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+    return (
+        len(text) <= _MAX_MANIFEST
+        and hashlib.sha256(text).hexdigest() == path.name.removesuffix(".json")
+        and isinstance(data, dict)
+        and isinstance(data.get("blobs"), dict)
+        and "format" in data
+    )
 
 
 def _value(digest: str, data: Mapping[str, Any], root: Path) -> Snapshot:
