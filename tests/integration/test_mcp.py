@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -243,12 +244,24 @@ class _Wire:
     (``notifications/cancelled`` of a call, a call while another waits for its approval)."""
 
     def __init__(self, project: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stockade.cli.main", *_args(project, *extra)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=_env(), cwd=str(project),
-        )  # fmt: skip
+        self.stderr = project / "mcp.stderr"
+        with self.stderr.open("wb") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "stockade.cli.main", *_args(project, *extra)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=_env(), cwd=str(project),
+            )  # fmt: skip
         self.answers: dict[int, dict[str, Any]] = {}
+
+    def hello(self) -> None:
+        """The handshake of a 2025-11-25 client."""
+        info = {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"},
+        }
+        self.send({"id": 0, "method": "initialize", "params": info})
+        self.answer(0)
+        self.send({"method": "notifications/initialized"})
 
     def send(self, message: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -335,6 +348,45 @@ def test_a_cancelled_call_never_runs_queued_and_is_cut_running(project: Path) ->
         calls = [(c.call.name, c.error_type) for c in runs.tool_calls(run_id)]
     assert not any(name == "write_file" for name, _ in calls), calls  # nothing recorded as run
     assert ("run_code", "CallCancelled") in calls, calls
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_a_stdio_session_whose_client_keeps_stdin_open(project: Path, signum: int) -> None:
+    """A supervisor's SIGTERM (or Ctrl-C) was ignored while the client kept stdin open: the read
+    of stdin could not be cancelled, so the server lived on (a minute with a call running) and,
+    once stdin closed, exited 0. It stops at once now: the run ends, the sandbox is removed,
+    and the exit code is the signal's, as a shell reports it (128 + its number)."""
+    wire = _Wire(project)
+    try:
+        wire.hello()
+        run_id = _run_id(wire, 1)
+        wire.call(2, "run_code", {"code": "import time; time.sleep(120)", "language": "python"})
+        time.sleep(1)  # the call is running (or about to): either way the signal must end it
+        wire.proc.send_signal(signum)
+        assert wire.proc.wait(60) == 128 + signum  # stdin is still open
+    finally:
+        wire.close()
+    said = wire.stderr.read_text()
+    assert f"stopped by {signal.Signals(signum).name}" in said and "Traceback" not in said, said
+    with open_store(f"sqlite:///{project / 'audit.db'}") as store:
+        assert EventKind.SANDBOX_STOP in [e.kind for e in store.events(run_id=run_id)]
+
+
+def test_a_client_gone_mid_call_ends_the_stdio_session_in_one_line(project: Path) -> None:
+    """A client that dies with a call running closes the server's stdout: the answer's write
+    failed with a BrokenPipeError traceback (an exception group), or the server waited on an
+    open stdin. The session ends, said in one line, exit 0: a client leaving is no failure."""
+    wire = _Wire(project)
+    try:
+        wire.hello()
+        wire.call(1, "run_code", {"code": "import time; time.sleep(1)", "language": "python"})
+        assert wire.proc.stdout is not None
+        wire.proc.stdout.close()  # the client's end: the answer has nowhere to go
+        assert wire.proc.wait(60) == 0
+    finally:
+        wire.close()
+    said = wire.stderr.read_text()
+    assert "the client went away" in said and "Traceback" not in said, said
 
 
 MODERN = {

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,9 +18,13 @@ from stockade import exceptions as exc
 from stockade.cli._console import CliConsole, escape
 from stockade.cli._numbers import checked
 from stockade.cli._signals import Interrupted, interruptible
+from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry
 from stockade.types import Trust
+
+if TYPE_CHECKING:
+    from stockade.server.mcp_server import McpFace
 
 err = CliConsole(stderr=True)
 
@@ -177,20 +183,60 @@ def mcp(
         f"[dim]stockade mcp on {escape(where)}: the {agent.agent.tier} tier "
         f"({escape(agent.agent.tier_reason)}), audited in {escape(audit_db)}[/]"
     )
+    if transport is TransportName.HTTP:
+        code = _served(
+            face, lambda: serve_http(
+                face, host=host, port=port, token=token, max_sessions=max_sessions,
+                allowed_origins=tuple(allow_origin or ()),
+                connections=ConnectionLimits(head_timeout_s=head_timeout),
+            ),
+        )  # fmt: skip
+    else:
+        code = _served(face, lambda: anyio.run(serve_stdio, face))
+    if code:
+        raise typer.Exit(code)
+
+
+def _served(face: McpFace, serve: Callable[[], None]) -> int:
+    """``serve()`` until its clients leave or a stop signal: the exit code; then every session's
+    run ends and its sandbox is removed."""
     try:
         with interruptible():
-            if transport is TransportName.HTTP:
-                serve_http(
-                    face, host=host, port=port, token=token, max_sessions=max_sessions,
-                    allowed_origins=tuple(allow_origin or ()),
-                    connections=ConnectionLimits(head_timeout_s=head_timeout),
-                )  # fmt: skip
-            else:
-                anyio.run(serve_stdio, face)
-    except Interrupted:
-        pass
+            serve()
+    except Interrupted as stop:
+        err.print(f"[yellow]stockade mcp: stopped by {stop}[/]")
+        return signal_exit_code(stop.signum)  # as a shell reports a process the signal stopped
+    except exc.RequestTooLarge as error:
+        err.print(f"[red]error:[/] {escape(str(error))}")
+        return 1
+    except BaseExceptionGroup as group:
+        if not _client_gone(group):
+            raise
+        # its reply had nowhere to go; nothing is left to say on stdout (flushing it at exit
+        # would raise once more)
+        _stdout_to_null()
+        err.print("[yellow]stockade mcp: the client went away (stdout closed); the session ended[/]")
     finally:
-        face.close()  # every session's run ends and its sandbox is removed
+        face.close()
+    return 0
+
+
+def _client_gone(group: BaseExceptionGroup[BaseException]) -> bool:
+    """Whether every error of ``group`` is the client's end of the pipes closing."""
+    import anyio
+
+    gone = (BrokenPipeError, ConnectionResetError, anyio.ClosedResourceError, anyio.BrokenResourceError)
+    rest = group.split(gone)[1]
+    return rest is None
+
+
+def _stdout_to_null() -> None:
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError):  # not a file (tests)
+        pass
 
 
 def register(app: typer.Typer) -> None:

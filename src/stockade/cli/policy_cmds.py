@@ -471,14 +471,18 @@ def approvals(
     """List the actions waiting for approval."""
     from stockade.policy.approval import ApprovalStore
 
-    pending = ApprovalStore(directory).pending(run_id)
+    store = ApprovalStore(directory)
+    pending = store.pending(run_id)
     if not pending:
         out.print("nothing is waiting for approval")
     for record in pending:
-        out.print(
-            f"{escape(record['run_id'])} {escape(record['id'])}  {escape(record['action'])}  "
-            f"[dim]({escape(record['reason'])})[/dim]"
-        )
+        run, request, action, reason = (str(record.get(k, "?")) for k in ("run_id", "id", "action", "reason"))
+        out.print(f"{escape(run)} {escape(request)}  {escape(action)}  [dim]({escape(reason)})[/dim]")
+    damaged = store.damaged(run_id)
+    for problem in damaged:  # said, and the rest listed: one of them failed the whole listing
+        err.print(f"[red]error:[/] {escape(problem)}")
+    if damaged:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

@@ -126,7 +126,9 @@ def list_runs(
     *,
     db: DbOpt = DEFAULT_DB,
     namespace: NamespaceOpt = "runs",
-    limit: Annotated[int, typer.Option("-n", "--limit", help="how many runs, newest first")] = 20,
+    limit: Annotated[
+        int, typer.Option("-n", "--limit", min=1, max=1_000_000, help="how many runs, newest first")
+    ] = 20,
     status: Annotated[RunStatus | None, typer.Option("--status", help="only runs that ended so")] = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -13,6 +13,7 @@ import typer
 
 from stockade import exceptions as exc
 from stockade._checks import check_envs
+from stockade._config_file import read_config_text
 from stockade.cli._console import CliConsole, escape, print_json
 from stockade.cli._signals import Interrupted, exit_code, interruptible
 from stockade.sandbox import _filetable, _registry, _rules
@@ -300,14 +301,15 @@ def run_code(
 
 
 def _read_source(path: Path) -> str:
+    """As the other file inputs are read: a FIFO (no writer) hung the command for ever."""
     try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        return read_config_text(path, what="FILE")
+    except exc.ConfigurationError as error:
+        said = str(error)
+        if isinstance(error, exc.InvalidArgument):  # a FIFO, a folder: its own fix is not this one
+            said = error.message.removesuffix(f"; {error.fix}")
         raise exc.InvalidArgument(
-            f"cannot read FILE {str(path)!r}: {reason}",
-            argument="FILE",
-            fix="give a readable text file, or - to read the code from standard input",
+            said, argument="FILE", fix="give a readable text file, or - to read the code from standard input"
         ) from None
 
 

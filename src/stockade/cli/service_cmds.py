@@ -6,13 +6,16 @@ and one kept before that names none, which no token of a tenant with roles reach
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from stockade import exceptions as exc
 from stockade._config_file import audit_key, read_config_text
 from stockade.cli._console import CliConsole, escape, print_json
+
+if TYPE_CHECKING:
+    from stockade.server.state import ServiceStore
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -272,7 +275,39 @@ workspaces_app = typer.Typer(
     help="Uploaded workspaces in the service's database, every role's (the operator's view)",
     no_args_is_help=True,
 )
-TenantOption = Annotated[str, typer.Option("--tenant", help="the tenant whose workspaces")]
+
+
+def _text_tenant(value: str) -> str:
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # bytes the shell passed that are no UTF-8 (a lone surrogate here)
+        raise typer.BadParameter("a tenant is text (UTF-8); this holds bytes that are not") from None
+    return value
+
+
+TenantOption = Annotated[
+    str, typer.Option("--tenant", help="the tenant whose workspaces", callback=_text_tenant)
+]
+
+
+def _service_store(db: str) -> ServiceStore:
+    """The service's tables in ``db``, which must exist: a mistyped path is refused, not made
+    (an empty database, and its folders, reported as a tenant without workspaces)."""
+    from stockade.server.state import ServiceStore, open_database
+
+    if "://" not in db or db.startswith("sqlite:///"):
+        path = Path(db.removeprefix("sqlite:///"))
+        if not path.is_file():
+            err.print(f"[red]error:[/] no service database at {escape(str(path))}")
+            err.print("[cyan]fix:[/] give --db (or STOCKADE_DB) as `stockade serve` was given it")
+            raise typer.Exit(2)
+    try:
+        return ServiceStore(open_database(db))
+    except exc.StockadeError as error:
+        err.print(f"[red]error:[/] {escape(str(error))}")
+        raise typer.Exit(2) from None
+
+
 NoRoleOption = Annotated[
     bool,
     typer.Option(
@@ -290,9 +325,7 @@ def workspaces_list(
 ) -> None:  # fmt: skip
     """The tenant's uploaded workspaces, newest first: id, the role that uploaded it, size."""
 
-    from stockade.server.state import ServiceStore, open_database
-
-    store = ServiceStore(open_database(db))
+    store = _service_store(db)
     try:
         rows = [r for r in store.all_workspaces(tenant) if not no_role or r[1] is None]
     finally:
@@ -312,12 +345,10 @@ def workspaces_delete(
     """Delete workspaces that name no role (a role's own are its tokens' to delete: DELETE
     /v1/workspaces/ID); their bytes leave the tenant's storage_mb. One a run of the tenant
     that has not ended starts from is left, said."""
-    from stockade.server.state import ServiceStore, open_database
-
     if not ids and not no_role:
         err.print("[red]error:[/] name the workspaces to delete, or give --no-role")
         raise typer.Exit(2)
-    store = ServiceStore(open_database(db))
+    store = _service_store(db)
     try:
         role_less = [r[0] for r in store.all_workspaces(tenant) if r[1] is None]
         chosen = list(dict.fromkeys([*(ids or ()), *(role_less if no_role else ())]))

@@ -12,6 +12,7 @@ is reached by no token of a tenant whose policy has roles, yet counts against it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,7 +53,7 @@ def list_snapshots(
     """The snapshots kept: id, kind (files or memory), tier, size, when taken, what keeps
     each (a paused sandbox, a run by its id, a caller: kept, a boot image) and, in a service's
     tenant store, the role that took it."""
-    store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else SnapshotStore.default()
+    store = _given(snapshot_dir) if snapshot_dir is not None else SnapshotStore.default()
     kinds = ("paused", "kept", "run", "boot") if boot else ("paused", "kept", "run")
     held = _role_less(store) if no_role else store.held(kinds)
     if as_json:
@@ -71,6 +72,19 @@ def list_snapshots(
             escape(h.role or "-") if h.kind in CALLERS else "",
         )
     out.print(table)
+
+
+def _given(folder: Path) -> SnapshotStore:
+    """The store at ``folder``, which must be one: a mistyped path listed an empty table, and
+    ``delete --no-role`` deleted nothing, each exit 0, as if the store held nothing."""
+    if not folder.is_dir():
+        what = "is not a folder" if os.path.lexists(folder) else "does not exist"
+        err.print(f"[red]error:[/] --snapshot-dir {escape(str(folder))} {what}")
+        err.print(
+            "[cyan]fix:[/] give the store's folder (a service tenant's is <serve --snapshot-dir>/<tenant>)"
+        )
+        raise typer.Exit(2)
+    return SnapshotStore(folder)
 
 
 def _role_less(store: SnapshotStore) -> list[Held]:
@@ -102,7 +116,7 @@ def delete_snapshots(
     """Delete snapshots a caller kept or paused, with their bytes: the paused sandbox or kept
     snapshot is gone, and what it took of its tenant's snapshot_mb is free. A run's snapshot is
     left to `stockade runs erase`. Safe while the service runs (the store's own lock)."""
-    store = SnapshotStore(snapshot_dir)
+    store = _given(snapshot_dir)
     chosen = list(dict.fromkeys([*(ids or ()), *(h.snapshot.id for h in _role_less(store) if no_role)]))
     if not ids and not no_role:
         err.print("[red]error:[/] name the snapshots to delete, or give --no-role")

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from stockade._config_file import read_config_text
 from stockade._display import visible
 from stockade._private import private_dir, write_private
 from stockade.audit.redact import Redactor
@@ -53,6 +54,7 @@ from stockade.exceptions import (
     ApprovalRequired,
     ApprovalsFull,
     ConfigurationError,
+    InvalidArgument,
     PolicyDenied,
 )
 from stockade.types import MAX_PENDING_APPROVALS
@@ -257,10 +259,26 @@ class ApprovalStore:
 
     @staticmethod
     def _read(file: Path) -> dict[str, str] | None:
+        """The record ``file`` holds; None when there is none. One that is no regular file (a
+        FIFO hung the reader for ever), or no JSON object, is a ``ConfigurationError``."""
         try:
-            record: dict[str, str] = json.loads(file.read_text())
-        except FileNotFoundError:
-            return None
+            text = read_config_text(file, what="the approval request")
+        except InvalidArgument as error:  # a FIFO, a folder, a device: no request stockade wrote
+            said = error.message.removesuffix(f"; {error.fix}")
+            raise ConfigurationError(f"{said}: remove it, and ask for the action again") from None
+        except ConfigurationError:
+            if not os.path.lexists(file):
+                return None
+            raise
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise ConfigurationError(
+                f"the approval request {str(file)!r} is damaged (no JSON object): remove it, "
+                "and ask for the action again"
+            )
         return record
 
     def submit(self, request: ApprovalRequest) -> None:
@@ -331,7 +349,7 @@ class ApprovalStore:
             folder.rmdir()
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
-        runs = [run_id] if run_id else sorted(p.name for p in self.directory.glob("*") if p.name[0] != ".")
+        runs = [run_id] if run_id else self._runs()
         found: list[dict[str, str]] = []
         for run in runs:
             waiting = [r for r in self.requests(run) if r.get("status") == "pending"]
@@ -339,8 +357,31 @@ class ApprovalStore:
         return found
 
     def requests(self, run_id: str) -> list[dict[str, str]]:
+        """The run's requests; a damaged file is left out (``damaged`` names it): one of them
+        failed every run's listing."""
+        return self._records(run_id)[0]
+
+    def damaged(self, run_id: str | None = None) -> list[str]:
+        """Why each request file of ``run_id`` (else of every run) cannot be read."""
+        runs = [run_id] if run_id else self._runs()
+        return [problem for run in runs for problem in self._records(run)[1]]
+
+    def _runs(self) -> list[str]:
+        return sorted(p.name for p in self.directory.glob("*") if p.name[0] != ".")
+
+    def _records(self, run_id: str) -> tuple[list[dict[str, str]], list[str]]:
         folder = self._file(run_id, "x").parent
-        return [json.loads(file.read_text()) for file in sorted(folder.glob("*.json"))]
+        records: list[dict[str, str]] = []
+        problems: list[str] = []
+        for file in sorted(folder.glob("*.json")):
+            try:
+                record = self._read(file)
+            except ConfigurationError as error:
+                problems.append(str(error))
+                continue
+            if record is not None:
+                records.append(record)
+        return records, problems
 
 
 @functools.cache

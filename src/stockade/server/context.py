@@ -3,6 +3,7 @@ tenants' audit trails and limits, the live sandboxes and where runs go."""
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,16 @@ class ServiceConfig:
             raise exc.ConfigurationError("body_timeout_s and min_body_rate must be positive")
         if self.keep_runs_days is not None and not self.keep_runs_days > 0:
             raise exc.ConfigurationError("keep_runs_days must be positive (or None: runs are kept)")
+        if (
+            self.snapshot_dir is not None
+            and os.path.lexists(self.snapshot_dir)
+            and not self.snapshot_dir.is_dir()
+        ):
+            # it started, and each tenant's first snapshot failed (a folder made under a file)
+            raise exc.InvalidArgument(
+                f"snapshot_dir {str(self.snapshot_dir)!r} is not a folder", argument="snapshot_dir",
+                fix="give a folder (it is made when missing)",
+            )  # fmt: skip
 
     @property
     def snapshot_root(self) -> Path:

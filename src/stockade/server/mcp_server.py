@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -509,14 +510,14 @@ def _version() -> str:
 
 
 async def serve_stdio(face: McpFace, *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
-    """Serve the one client on this process's stdin/stdout until it closes them, or sends a
-    message (a line) longer than ``max_message_bytes``: that ends the session, said on stderr."""
+    """Serve the one client on this process's stdin/stdout until it closes them. A message (a
+    line) longer than ``max_message_bytes`` ends the session: ``RequestTooLarge`` once it has."""
     from mcp.server.stdio import stdio_server
 
     with _claimed_stdin() as wire:
         # the transport only iterates its stdin: it gets lines bounded before they are read whole
-        lines = cast("anyio.AsyncFile[str]", _BoundedLines(wire, max_message_bytes))
-        async with stdio_server(stdin=lines) as (read, write):
+        bounded = _BoundedLines(wire, max_message_bytes)
+        async with stdio_server(stdin=cast("anyio.AsyncFile[str]", bounded)) as (read, write):
             # the protocol has stdout (taken above); a stray print (a library's log line) would
             # corrupt it, so from here stdout is stderr
             real, sys.stdout = sys.stdout, sys.stderr
@@ -524,32 +525,75 @@ async def serve_stdio(face: McpFace, *, max_message_bytes: int = MAX_MESSAGE_BYT
                 await face.server.run(read, write, face.server.create_initialization_options())
             finally:
                 sys.stdout = real
+    if bounded.too_long:
+        # its answer could not be told apart from the message's next piece: the session ended
+        raise exc.RequestTooLarge(
+            f"the client sent a message longer than {max_message_bytes} bytes: the session ended "
+            "(over HTTP such a message is answered 413)",
+            limit=max_message_bytes, fix="send smaller messages (a large file in pieces)",
+        )  # fmt: skip
 
 
 class _BoundedLines:
-    """The lines of ``wire`` as text, each at most ``limit`` bytes; a longer one ends them."""
+    """The lines of ``wire`` as text, each at most ``limit`` bytes; a longer one ends them
+    (``too_long`` says so).
+
+    A pipe, socket or terminal is waited on by the event loop and read only once it has bytes,
+    so a stop signal cancels the wait: a thread blocked in ``readline`` could not be cancelled,
+    and kept the process alive (ignoring SIGTERM) until the client closed stdin. A file (or
+    anything not a descriptor) never blocks for long: it is read in a worker thread."""
 
     def __init__(self, wire: BinaryIO, limit: int) -> None:
         self._wire = wire
         self._limit = limit
+        self._fd = _pollable(wire)
+        self._buffer = bytearray()
+        self._at_end = False
+        self.too_long = False
 
     def __aiter__(self) -> _BoundedLines:
         return self
 
     async def __anext__(self) -> str:
-        line = await anyio.to_thread.run_sync(self._wire.readline, self._limit + 1)
+        if self._fd is None:
+            read = functools.partial(self._wire.readline, self._limit + 1)
+            line = await anyio.to_thread.run_sync(read, abandon_on_cancel=True)
+        else:
+            line = await self._polled_line(self._fd)
         if not line:
             raise StopAsyncIteration
         if len(line) > self._limit and not line.endswith(b"\n"):
-            # Its answer could not be told apart from the message's next piece: the session ends.
-            print(
-                f"stockade mcp: a message longer than {self._limit} bytes: the session ends "
-                "(over HTTP such a message is answered 413)",
-                file=sys.stderr,
-                flush=True,
-            )
+            self.too_long = True
             raise StopAsyncIteration
         return line.decode("utf-8", errors="replace")
+
+    async def _polled_line(self, fd: int) -> bytes:
+        """As ``readline(limit + 1)``: a line, its first ``limit + 1`` bytes, or what is left."""
+        while True:
+            end = self._buffer.find(b"\n", 0, self._limit + 1)
+            if end >= 0 or len(self._buffer) > self._limit or self._at_end:
+                take = end + 1 if end >= 0 else self._limit + 1
+                line = bytes(self._buffer[:take])
+                del self._buffer[:take]
+                return line
+            await anyio.wait_readable(fd)
+            chunk = os.read(fd, _READ_BYTES)  # readable: returns at once, b"" at the end
+            self._at_end = not chunk
+            self._buffer += chunk
+
+
+_READ_BYTES = 64 * 1024
+
+
+def _pollable(wire: BinaryIO) -> int | None:
+    """``wire``'s descriptor when a read of it may wait for ever (a pipe, socket or terminal)."""
+    try:
+        fd = wire.fileno()
+        mode = os.fstat(fd).st_mode
+    except (OSError, ValueError):  # not a file (tests)
+        return None
+    waits = stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or (stat.S_ISCHR(mode) and os.isatty(fd))
+    return fd if waits else None
 
 
 @contextlib.contextmanager

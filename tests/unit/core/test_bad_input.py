@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,47 @@ def test_a_host_folder_whose_path_the_file_system_cannot_take_is_refused_naming_
         with pytest.raises(WorkspaceError, match="longer than the file system takes") as refused:
             sandbox.files.download_dir(folder)
         assert str(refused.value).count(str(folder)) == 1  # once, not twice over
+
+
+def test_run_code_on_a_fifo_refuses_it_instead_of_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "code.py")
+    result = CliRunner().invoke(app, ["run-code", str(tmp_path / "code.py")])  # hung for ever
+    assert result.exit_code == 2 and "is a FIFO" in result.output, result.output
+
+
+def test_workspaces_of_a_database_that_does_not_exist_are_refused_and_nothing_is_made(tmp_path: Path) -> None:
+    """A mistyped --db made the folders and an empty database, and listed no workspaces, exit 0
+    (`runs list` refuses the same mistake)."""
+    db = f"sqlite:///{tmp_path / 'typo' / 'service.db'}"
+    for argv in (["list"], ["delete", "--no-role"]):
+        result = CliRunner().invoke(app, ["workspaces", *argv, "--tenant", "acme", "--db", db])
+        assert result.exit_code == 2 and "no service database at" in result.output, result.output
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_tenant_of_bytes_that_are_no_utf8_is_refused_by_name(tmp_path: Path) -> None:
+    """A shell passes ``$'a\\xff'`` as a lone surrogate: it raised UnicodeEncodeError."""
+    from stockade.server.state import ServiceStore, open_database
+
+    ServiceStore(open_database(str(tmp_path / "service.db"))).close()
+    result = CliRunner().invoke(
+        app, ["workspaces", "delete", "--tenant", "a\udcff", "--db", str(tmp_path / "service.db"), "x"]
+    )
+    assert result.exit_code == 2 and "a tenant is text (UTF-8)" in result.output, result.output
+
+
+@pytest.mark.parametrize("limit", ["99999999999999999999", "-1", "0"])
+def test_runs_list_takes_a_count_of_runs_it_can_list(tmp_path: Path, limit: str) -> None:
+    """One past SQLite's integers raised OverflowError; -1 listed every run."""
+    result = CliRunner().invoke(app, ["runs", "list", "--db", str(tmp_path / "none.db"), "-n", limit])
+    assert result.exit_code == 2 and "--limit" in result.output, result.output
+
+
+def test_a_service_snapshot_dir_that_is_a_file_is_refused_at_start(tmp_path: Path) -> None:
+    """It started, and each tenant's first snapshot failed."""
+    from stockade.server.context import ServiceConfig
+
+    (tmp_path / "plain").write_text("")
+    with pytest.raises(InvalidArgument, match="is not a folder") as caught:
+        ServiceConfig(tenants=None, database="sqlite:///x.db", snapshot_dir=tmp_path / "plain")  # type: ignore[arg-type]
+    assert caught.value.argument == "snapshot_dir"

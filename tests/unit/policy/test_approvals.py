@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -375,3 +376,33 @@ def test_a_folder_s_key_is_private_made_once_and_shared_by_its_books(tmp_path: P
     assert stat.S_IMODE((tmp_path / "approvals" / ".key").stat().st_mode) == 0o600
     first.submit(first.keyed(asked))
     assert [r["run_id"] for r in first.pending()] == ["run-1"]  # the key is no run
+
+
+def test_a_damaged_request_file_is_named_and_the_others_still_listed(tmp_path: Path) -> None:
+    """One file that is no JSON object failed every run's listing (JSONDecodeError, or
+    AttributeError for a list), and `approve` of a FIFO hung for ever: each is named, with
+    what to do, and the other requests are listed and decided as before."""
+    from typer.testing import CliRunner
+
+    from stockade.cli.main import app
+
+    store = ApprovalStore(tmp_path)
+    store.submit(dataclasses.replace(PUSH, run_id="run-ok"))
+    (kept,) = store.pending()
+    (tmp_path / "run-1").mkdir()
+    (tmp_path / "run-1" / "r1.json").write_text("{bad json")
+    (tmp_path / "run-1" / "r2.json").write_text("[1, 2]")
+    (tmp_path / "run-2").mkdir()
+    os.mkfifo(tmp_path / "run-2" / "r3.json")
+    assert [r["id"] for r in store.pending()] == [kept["id"]]
+    assert len(store.damaged()) == 3
+
+    runner = CliRunner()
+    listed = runner.invoke(app, ["approvals", "--dir", str(tmp_path)])
+    assert listed.exit_code == 1 and kept["id"] in listed.stdout, listed.output
+    said = " ".join(listed.stderr.split())
+    assert said.count("is damaged (no JSON object): remove it") == 2 and "is a FIFO: remove it" in said, said
+    for run, request in (("run-1", "r2"), ("run-2", "r3")):
+        decided = runner.invoke(app, ["approve", run, request, "--dir", str(tmp_path)])
+        assert decided.exit_code == 1 and "remove it" in decided.stderr, decided.output
+    assert runner.invoke(app, ["approve", "run-ok", kept["id"], "--dir", str(tmp_path)]).exit_code == 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from stockade.cli.main import app
@@ -47,10 +49,10 @@ def test_the_list_shows_paused_kept_and_runs_snapshots_with_what_holds_them(tmp_
     assert len(held) == 4
 
 
-def test_an_empty_or_missing_store_lists_nothing(tmp_path: Path) -> None:
-    listed = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(tmp_path / "none"), "--json"])
+def test_an_empty_store_lists_nothing(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()  # a missing one is refused: see below
+    listed = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(tmp_path / "empty"), "--json"])
     assert listed.exit_code == 0 and json.loads(listed.output) == []
-    assert not (tmp_path / "none").exists()
 
 
 def test_delete_removes_a_callers_snapshots_and_leaves_a_runs(tmp_path: Path) -> None:
@@ -73,3 +75,19 @@ def test_delete_removes_a_callers_snapshots_and_leaves_a_runs(tmp_path: Path) ->
     deleted = runner.invoke(app, ["snapshots", "delete", *where, kept, "--no-role"])
     assert deleted.exit_code == 0, deleted.output
     assert {h.snapshot.id for h in store.held()} == {run}
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "fifo"])
+def test_a_snapshot_dir_that_is_no_store_is_refused_not_listed_empty(tmp_path: Path, kind: str) -> None:
+    """A mistyped --snapshot-dir listed an empty table, and `delete --no-role` deleted nothing,
+    each exit 0: as if the store held nothing."""
+    given = tmp_path / "store"
+    if kind == "file":
+        given.write_text("")
+    elif kind == "fifo":
+        os.mkfifo(given)
+    said = "does not exist" if kind == "missing" else "is not a folder"
+    for argv in (["list"], ["delete", "--no-role"]):
+        result = runner.invoke(app, ["snapshots", *argv, "--snapshot-dir", str(given)])
+        assert result.exit_code == 2 and said in result.output, result.output
+    assert kind != "missing" or not given.exists()

@@ -69,7 +69,8 @@ def test_over_stdio_only_the_protocol_reaches_stdout(tmp_path: Path) -> None:
 
 def test_over_stdio_a_message_longer_than_http_takes_ends_the_session(tmp_path: Path) -> None:
     """The SDK reads a stdio line whole (one of 200 MB took 928 MB); over HTTP a body past the
-    cap is answered 413. A longer line is not read: the session ends, and says why."""
+    cap is answered 413. A longer line is not read: the session ends, says why, and exits 1
+    (it exited 0, as if the client had simply left)."""
     from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE as MAX_MESSAGE_BYTES
 
     given = _messages(
@@ -79,10 +80,11 @@ def test_over_stdio_a_message_longer_than_http_takes_ends_the_session(tmp_path: 
         {"jsonrpc": "2.0", "id": 3, "method": "ping"},
     )
     result = serve_stdio(tmp_path, given)
-    assert result.exit_code == 0, result.stderr
+    assert result.exit_code == 1, result.stderr
     answered = [json.loads(line)["id"] for line in result.stdout.splitlines()]
     assert answered == [1], answered  # neither the long message nor any after it
-    assert f"a message longer than {MAX_MESSAGE_BYTES} bytes: the session ends" in result.stderr
+    said = " ".join(result.stderr.split())  # as the console wrapped it
+    assert f"a message longer than {MAX_MESSAGE_BYTES} bytes: the session ended" in said, said
 
 
 def test_what_mcp_refuses_to_start_with(tmp_path: Path) -> None:
@@ -142,3 +144,34 @@ def test_runs_erase_refuses_an_age_that_is_none(tmp_path: Path, age: str) -> Non
         app, ["runs", "erase", f"--older-than={age}", "--db", f"sqlite:///{tmp_path / 'r.db'}"]
     )
     assert result.exit_code == 2 and "--older-than" in result.stderr, (result.exit_code, result.stderr)
+
+
+def test_a_pipe_is_cut_into_lines_as_readline_cut_it() -> None:
+    """A pipe is read as the event loop finds bytes in it (a stop signal can end the wait), in
+    chunks that split lines anywhere: its lines are those ``readline(limit + 1)`` gave."""
+    import os
+
+    import anyio
+
+    from stockade.server.mcp_server import _BoundedLines
+
+    sent = b"a\n" + b"b" * 9 + b"\n" + b"\n" + b"c" * 11 + b"\n"  # limit 10: the last is too long
+    read_end, write_end = os.pipe()
+
+    async def lines() -> tuple[list[str], bool]:
+        with os.fdopen(read_end, "rb") as wire:
+            bounded = _BoundedLines(wire, 10)
+            async with anyio.create_task_group() as group:
+
+                async def send() -> None:
+                    for i in range(0, len(sent), 3):
+                        os.write(write_end, sent[i : i + 3])
+                        await anyio.sleep(0)
+                    os.close(write_end)
+
+                group.start_soon(send)
+                got = [line async for line in bounded]
+            return got, bounded.too_long
+
+    got, too_long = anyio.run(lines)
+    assert got == ["a\n", "b" * 9 + "\n", "\n"] and too_long
