@@ -47,8 +47,8 @@ __all__ = ["START_GRACE_S", "Due", "Waker", "Wakes", "wake_statement"]
 
 log = logging.getLogger("stockade.wakes")
 
-# A run that started has this long to claim its lease (its sandbox starts first) before a
-# waker takes a missing lease for a dead worker.
+# When a waker first looks at a run that started (the runner holds its lease by then: taken
+# before it marks the run running); a missing lease then is a dead worker's.
 START_GRACE_S = 30.0
 # A run sent that is still waiting this long after (its message lost with a process that died
 # right after the send, or behind a long backlog) is sent once more.
