@@ -8,12 +8,14 @@ paused, its tenant's quota cut below its sandbox while it waited."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from stockade import exceptions as exc
+from stockade.audit.events import EventKind
 from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
@@ -45,12 +47,72 @@ def test_a_delivery_that_finds_the_run_starting_elsewhere_leaves_it_to_that_proc
         with pytest.raises(exc.RunLeased):
             runner.execute("r1", runner.config.tenants.current().tenants["acme"])
         row = runner.store.run("r1")
-        # before, this copy wrote "error" (and freed the run's quota) while the other ran it on
-        assert row is not None and row.status == "running", row
-        assert runner.store.holds("acme") == ["r1"]
+        # before, this copy wrote "error" (and freed the run's quota) while the other ran it on;
+        # now it writes nothing at all: the run is its holder's to write
+        assert row is not None and row.status == "queued" and row.attempts == 0, row
+        assert sandboxes_started(runner, "r1") == 0
     finally:
         lease.release()
         other.close()
+
+
+def sandboxes_started(runner: Runner, run_id: str) -> int:
+    trail = runner.audit.get(_acme(runner))
+    trail.flush()
+    return sum(event.kind is EventKind.SANDBOX_START for event in trail.store.events(run_id=run_id))
+
+
+def test_a_copy_of_a_running_runs_message_starts_no_sandbox_and_leaves_its_record_alone(
+    runner: Runner,
+) -> None:
+    """A waker's resend or the broker's redelivery of a run that runs in another process."""
+    _submit(runner, "r1", ["done"])
+    assert runner.store.set_status("r1", "running", worker="worker-a", started=True)
+    other = RunStore(open_database(runner.config.database), namespace="runs")
+    lease = other.claim("r1", new=True)  # worker-a runs it
+    try:
+        for _ in range(3):
+            with pytest.raises(exc.RunLeased):
+                runner.execute("r1", _acme(runner))
+        # before, each copy started a whole sandbox (outside the quota: the run's share was
+        # held already), and wrote itself in as the run's worker, one attempt more: 4 attempts
+        assert sandboxes_started(runner, "r1") == 0
+        row = runner.store.run("r1")
+        assert row is not None and (row.status, row.worker, row.attempts) == ("running", "worker-a", 1), row
+    finally:
+        lease.release()
+        other.close()
+
+
+def test_two_deliveries_of_a_run_at_once_start_one_sandbox(runner: Runner) -> None:
+    """Two workers (each a runner of its own) take the same run at the same moment: the lease
+    is taken before the sandbox starts, so the second starts none."""
+    slow = {"name": "run_code", "args": {"language": "bash", "code": "sleep 2"}}
+    _submit(runner, "r1", [slow, "done"])
+    second = Runner(runner.config, name="worker-b")
+    try:
+        together = threading.Barrier(2)
+        outcomes: list[str] = []
+
+        def deliver(by: Runner) -> None:
+            together.wait()
+            try:
+                outcomes.append(by.execute("r1", _acme(by)).status)
+            except exc.RunLeased:
+                outcomes.append("leased elsewhere")
+
+        threads = [threading.Thread(target=deliver, args=(by,)) for by in (runner, second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        second.close()
+    assert sorted(outcomes) == ["leased elsewhere", "success"]
+    # before, both started a sandbox (the second found the lease taken only once it had one)
+    assert sandboxes_started(runner, "r1") == 1
+    row = runner.store.run("r1")
+    assert row is not None and row.attempts == 1, row
 
 
 def _acme(runner: Runner) -> Tenant:

@@ -111,6 +111,11 @@ class RunLease:
         """Whether this claim took over a run whose process died while running it."""
         return self.previous is not None and self.previous.reason != "released"
 
+    @property
+    def held(self) -> bool:
+        """Whether it is still this process's: neither released nor taken over."""
+        return not self._stop.is_set() and not self.lost
+
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:

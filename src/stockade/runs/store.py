@@ -43,10 +43,12 @@ run), ``CallLedger`` (``ledger``: calls returned and started), ``Checkpoints``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,6 +131,8 @@ class RunStore:
         # the audit trail's key: the rows a resume acts on are MAC'd under a key derived from it
         self.mac = RowMac(key)
         self._leases = LeaseKeeper(db, self.ns, self.mac)
+        self._ahead: dict[str, RunLease] = {}  # leases taken ahead (``claimed_ahead``), by run id
+        self._ahead_lock = threading.Lock()
         self._ledger = CallLedger(db, self.ns, self.redactor, self.mac, write=self._leases.write, where=where)
         self._checkpoints = Checkpoints(
             db, self.ns, self.redactor, self._ledger, self.mac, write=self._leases.write, where=where
@@ -230,7 +234,12 @@ class RunStore:
     def claim(self, run_id: str, *, new: bool, wait_s: float | None = None) -> RunLease:
         """Take the run's lease: for a ``new`` run (``RunConflict`` if the store has the id),
         or to resume one (``RunConflict`` if it ended). A live lease of another process:
-        wait up to ``wait_s`` (default ``lease_wait_s``), then ``RunLeased``."""
+        wait up to ``wait_s`` (default ``lease_wait_s``), then ``RunLeased``. A lease this
+        process took ahead for the run (``claimed_ahead``) is the one given."""
+        with self._ahead_lock:
+            ahead = self._ahead.pop(run_id, None)
+        if ahead is not None and ahead.held:
+            return ahead
         if new:  # a new run's id is one the audit trail can keep too (no control character)
             check_id(run_id, argument="run_id")
         _check_run_id(run_id)
@@ -275,6 +284,23 @@ class RunStore:
         return RunLease(
             self, run_id, owner, ttl_s=self.lease_s, previous=None if new else previous, unsaved_s=unsaved_s
         )
+
+    @contextlib.contextmanager
+    def claimed_ahead(self, run_id: str, *, new: bool) -> Iterator[RunLease]:
+        """Take the run's lease now (``claim``, not waiting: ``RunLeased``), before what takes
+        long to make ready for the run (its sandbox), and give it to the next ``claim`` of the
+        run in this process (the agent's). Released on leaving, unless given (its new holder
+        releases it)."""
+        lease = self.claim(run_id, new=new, wait_s=0.0)
+        with self._ahead_lock:
+            self._ahead[run_id] = lease
+        try:
+            yield lease
+        finally:
+            with self._ahead_lock:
+                if self._ahead.get(run_id) is lease:
+                    del self._ahead[run_id]
+            lease.release()  # idempotent: a no-op once the agent's run released it
 
     def _unsaved_s(self, run_id: str, previous: LeaseHolder) -> float:
         """How long a process that died running the run ran past its last checkpoint: to its

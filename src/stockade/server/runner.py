@@ -326,6 +326,11 @@ class Runner:
             # resumed run's first checkpoint is resumed again: asked twice, never run unasked).
             self.store.set_status(run_id, "broken", error=summary.error, only_from=["running"])
             return RunOutcome(run_id=run_id, status="broken", error=summary.error)
+        if self.runs.leased(run_id):
+            # A copy of its message (a waker's resend, the broker's redelivery) while another
+            # process runs it: nothing started, counted or written here (each copy started a
+            # whole sandbox, outside the quota, and wrote itself in as the run's worker).
+            raise exc.RunLeased(f"run {run_id} runs in another process", retry_after=self.runs.lease_s)
         resume = summary is not None
         deferral = _Deferral()
         prepared: tuple[RunSubmit, AgentConfig] | None = None
@@ -336,14 +341,16 @@ class Runner:
                 return RunOutcome(run_id=run_id, status="error", error=self._error(run_id))
             share = prepared[1].sandbox_limits or Limits()
             self._remember_share(run_id, share)
-        ended = self._start(run_id, row, tenant, share)  # QuotaExceeded: asked again cheaply
-        self._shares.pop(run_id, None)
-        if ended is not None:
-            return ended
-        prepared = prepared or self._prepare(run_id, row, tenant, deferral)
-        if prepared is None:
-            return RunOutcome(run_id=run_id, status="error", error=self._error(run_id))
-        return self._drive(run_id, tenant, *prepared, resume=resume, deferral=deferral)
+        with contextlib.ExitStack() as lease:  # the run store's, taken in _start before the sandbox
+            # QuotaExceeded: asked again cheaply
+            ended = self._start(run_id, row, tenant, share, resume=resume, lease=lease)
+            self._shares.pop(run_id, None)
+            if ended is not None:
+                return ended
+            prepared = prepared or self._prepare(run_id, row, tenant, deferral)
+            if prepared is None:
+                return RunOutcome(run_id=run_id, status="error", error=self._error(run_id))
+            return self._drive(run_id, tenant, *prepared, resume=resume, deferral=deferral)
 
     def _drive(
         self, run_id: str, tenant: Tenant, spec: RunSubmit, config: AgentConfig, *, resume: bool,
@@ -371,16 +378,7 @@ class Runner:
             self.store.set_status(run_id, stopped.status, error=str(stopped))
             return RunOutcome(run_id=run_id, status=stopped.status, error=str(stopped))
         except exc.RunConflict:
-            # Another delivery started it at the same moment and runs it (this one found the
-            # store's lease taken before any checkpoint): left to it, as a held run is. Writing
-            # "error" here ended the service's run (and freed its quota) while it ran on.
-            if self.runs.leased(run_id):
-                raise exc.RunLeased(f"run {run_id} started in another process", retry_after=5.0) from None
-            # it ended meanwhile (another delivery finished it): the store says how
-            summary = self.runs.summary(run_id)
-            status = summary.status.value if summary is not None else "error"
-            self.store.set_status(run_id, status, error=summary.error if summary else "run conflict")
-            return RunOutcome(run_id=run_id, status=status)
+            return self._conflict(run_id)
         except exc.StockadeError as error:
             why = described(error)
             if error.retryable:
@@ -404,6 +402,19 @@ class Runner:
         # the session, so the service's own status keeps the word
         self.store.set_status(run_id, status, error=result.error)
         return RunOutcome(run_id=run_id, status=status, error=result.error)
+
+    def _conflict(self, run_id: str) -> RunOutcome:
+        """The run store refused this delivery the run (``RunConflict``): another delivery
+        started it at the same moment and runs it, left to it as a held run is (writing "error"
+        here ended the service's run, and freed its quota, while it ran on); or it ended
+        meanwhile (another delivery finished it), as the store says."""
+        summary = self.runs.summary(run_id)
+        if self.runs.leased(run_id) or (summary is not None and not summary.status.finished):
+            # (a start that died after its first checkpoint: the next delivery resumes it)
+            raise exc.RunLeased(f"run {run_id} started in another process", retry_after=5.0) from None
+        status = summary.status.value if summary is not None else "error"
+        self.store.set_status(run_id, status, error=summary.error if summary else "run conflict")
+        return RunOutcome(run_id=run_id, status=status)
 
     def _prepare(
         self, run_id: str, row: RunRow, tenant: Tenant, deferral: _Deferral
@@ -492,9 +503,13 @@ class Runner:
             return None
         return exc.RunDeferred(row.error or DEFERRED, kind="rate", retry_after=max(verdict.retry_after, 1.0))
 
-    def _start(self, run_id: str, row: RunRow, tenant: Tenant, share: Limits) -> RunOutcome | None:
-        """Hold the run's share of the tenant's quota (``QuotaExceeded``: it waits), then mark
-        it running; the run as it ended instead, when a kill ended it meanwhile."""
+    def _start(
+        self, run_id: str, row: RunRow, tenant: Tenant, share: Limits, *, resume: bool,
+        lease: contextlib.ExitStack,
+    ) -> RunOutcome | None:  # fmt: skip
+        """Hold the run's share of the tenant's quota (``QuotaExceeded``: it waits), take its
+        lease in the run store (``RunLeased``: another delivery has it), then mark it running;
+        the run as it ended instead, when a kill ended it meanwhile."""
         was = row.status
         try:
             check_share(tenant, share, what="the run's sandbox")
@@ -520,6 +535,14 @@ class Runner:
             if why != row.error:  # written once, not each ask (a row written again is copied whole)
                 self.store.set_status(run_id, was, error=why, only_from=[was])
             raise
+        # The lease before the sandbox starts (the agent's run is given it): of two deliveries
+        # that got this far at once, one runs the run, and the other starts no sandbox, counts
+        # no attempt and leaves the run's worker as it is. The share it may have held is the
+        # run's, which the winner holds too (one row per run): not dropped.
+        try:
+            lease.enter_context(self.runs.claimed_ahead(run_id, new=not resume))
+        except exc.RunConflict:
+            return self._conflict(run_id)
         # Only from where it waited to run (or ran, delivered again): a kill of the queued run
         # between our read and now ended it, and "running" written over "killed" ran it all the
         # same; a run that paused or broke meanwhile waits for a person (``HELD``).

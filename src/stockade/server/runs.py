@@ -450,6 +450,11 @@ async def kill_run(run_id: str, request: Request, caller: Caller, body: KillRequ
             service.snapshots.release_runs(row.tenant, [run_id])
         else:
             service.kills.kill(run_id, reason)
+            # "running" and no process holds its lease (taken before its sandbox starts): its
+            # worker died, and it ends here too. Before, it answered "running", and ~25 s later
+            # a worker started a fresh sandbox only to find the switch and end it "killed".
+            if not service.run_store.leased(run_id):
+                service.store.set_status(run_id, "killed", error=reason, only_from=("running",))
         updated = service.store.run(run_id)
         assert updated is not None
         return _out(service, updated, detail=True)

@@ -12,7 +12,8 @@ and every worker and API process runs a ``Waker`` that sends the runs whose time
 - a run that starts (``running``) gets a wake ``START_GRACE_S`` on (written with its status);
   a waker that finds its lease live moves it past the lease's expiry, one that finds none
   (the process died: seen at once on the same machine, else once its lease expired) sends it
-  again, and the worker that takes it resumes it where it stopped;
+  again, and the worker that takes it resumes it where it stopped (a copy that no worker has
+  taken is sent once more only ``RESEND_S`` on, as a waiting run's);
 - a run that pauses or ends loses its row; one sent on from paused or broken (a decision,
   POST /resume) gets it back (``RESEND_S`` on) with its ``queued`` status, so that a send that
   fails or never comes (its process died) leaves it to a waker, not queued for ever;
@@ -48,8 +49,8 @@ __all__ = ["START_GRACE_S", "Due", "Waker", "Wakes", "wake_statement"]
 
 log = logging.getLogger("stockade.wakes")
 
-# A run that started has this long to claim its lease (its sandbox starts first) before a
-# waker takes a missing lease for a dead worker.
+# When a waker first looks at a run that started (the runner holds its lease by then: taken
+# before it marks the run running); a missing lease then is a dead worker's.
 START_GRACE_S = 30.0
 # A run sent that is still waiting this long after (its message lost with a process that died
 # right after the send, or behind a long backlog) is sent once more.
@@ -59,6 +60,7 @@ SEND_RETRY_S = 5.0
 # Past a live lease's expiry, when a waker looks again (its holder renews it every 5 s).
 LEASE_GRACE_S = 2.0
 BATCH = 200  # rows a waker handles per look
+SENT = 2  # a wake's ``misses`` once its run was sent again for a dead worker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,10 +196,17 @@ class Waker:
             # to write how the run stopped. A second look tells them apart.
             wakes.move(run_id, seen, now + _ns(LEASE_GRACE_S), misses=1)
             return None
-        # its process died without a word: to a worker, to be resumed where it stopped
-        if not wakes.move(run_id, seen, now + _ns(START_GRACE_S)):
+        # Its process died without a word: to a worker, to be resumed where it stopped. Once
+        # more only after RESEND_S, as a waiting run: a worker that takes the copy claims the
+        # lease or writes the run (either clears ``misses``), so a copy still out is unconsumed
+        # (every worker down) or lost. Sent every START_GRACE_S, a 130 s outage of every
+        # worker queued 4 copies of the run, and each started a sandbox once they came back.
+        if not wakes.move(run_id, seen, now + _ns(RESEND_S), misses=SENT):
             return None
-        log.warning("run %s: its worker is gone; sent again", run_id)
+        if due.misses >= SENT:
+            log.warning("run %s: its worker is gone and no worker took it up; sent once more", run_id)
+        else:
+            log.warning("run %s: its worker is gone; sent again", run_id)
         return "orphaned"
 
     def close(self) -> None:

@@ -432,3 +432,26 @@ async def test_a_runs_json_shows_its_latest_pending_requests_and_the_approvals_r
         f"/v1/runs/{run_id}/approvals", headers=bearer(setup.other), params={"limit": 5000}
     )
     assert too_many.status_code == 422 and too_many.json()["field"] == "limit"
+
+
+async def test_a_kill_of_a_run_whose_worker_died_ends_it_at_once(
+    setup: Setup, http: httpx2.AsyncClient
+) -> None:
+    store = setup.service.store
+    for run_id in ("alive", "orphan"):
+        assert store.add_run(run_id=run_id, tenant="acme", role=None, spec={}, labels={}, max_active=10)
+        assert store.set_status(run_id, "running", worker="w1", started=True)
+    lease = setup.service.run_store.claim("alive", new=True)  # its worker runs it
+    try:
+        live = await http.post("/v1/runs/alive/kill", headers=bearer(setup.acme), json={"reason": "stop"})
+        assert live.status_code == 200 and live.json()["status"] == "running"  # its switch stops it
+        assert setup.service.kills.reason("alive") == "stop"
+    finally:
+        lease.release()
+    # no process holds it: before, "running", then "killed" ~25 s later, once a worker had
+    # started a fresh sandbox only to find the switch
+    dead = await http.post("/v1/runs/orphan/kill", headers=bearer(setup.acme), json={"reason": "stop"})
+    assert dead.status_code == 200 and dead.json()["status"] == "killed", dead.json()
+    row = store.run("orphan")
+    assert row is not None and row.status == "killed" and row.error == "stop"
+    assert store.holds("acme") == []

@@ -107,6 +107,27 @@ def test_a_running_run_whose_process_died_is_sent_again_once(
     assert a.tick(time.time_ns() + S) == []
 
 
+def test_a_copy_sent_for_a_dead_worker_is_sent_once_more_only_after_the_resend_time(
+    store: ServiceStore, wakers: tuple[Waker, Waker, Sent]
+) -> None:
+    """Every worker is down: the copy sent waits in the broker, and each one more would start a
+    sandbox (or bounce off the lease) once they come back."""
+    a, b, sent = wakers
+    store.set_status("r1", "running", started=True)
+    started = time.time_ns()
+    lease(store, dead_owner(), started + 3600 * S)
+    first = started + int(START_GRACE_S * S) + S
+    assert a.tick(first) == []
+    second = first + int(LEASE_GRACE_S * S) + 1
+    assert a.tick(second) == [("r1", "orphaned")]
+    # a 130 s outage: before, a copy every START_GRACE_S + LEASE_GRACE_S (4 in all)
+    for after_s in range(5, 295, 5):
+        assert a.tick(second + after_s * S) == [] and b.tick(second + after_s * S) == []
+    # still nobody took it up (or the copy was lost): once more, as for a waiting run
+    assert b.tick(second + int(RESEND_S * S) + S) == [("r1", "orphaned")]
+    assert sent == [("r1", "orphaned"), ("r1", "orphaned")]
+
+
 def test_a_run_that_never_claimed_its_lease_is_sent_after_its_grace(
     store: ServiceStore, wakers: tuple[Waker, Waker, Sent]
 ) -> None:
