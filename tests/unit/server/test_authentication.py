@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
 from stockade.server.tenants import Tenant, Tenants, new_token
+from tests.unit.server._asgi import asgi_client, bearer
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,8 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
 
 @pytest.fixture
 async def http(setup: Setup) -> AsyncIterator[httpx2.AsyncClient]:
-    transport = httpx2.ASGITransport(app=create_app(setup.service))
-    async with httpx2.AsyncClient(transport=transport, base_url="http://service") as client:
+    async with asgi_client(setup.service) as client:
         yield client
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 async def test_no_token_a_wrong_one_or_another_scheme_is_401_before_any_work(

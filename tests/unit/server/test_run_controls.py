@@ -31,7 +31,6 @@ from stockade.runtime.clock import ManualClock
 from stockade.runtime.killswitch import KillSwitch, kill_all, kill_source_for
 from stockade.runtime.limits import LocalWindow, OnLimit, RateLimit
 from stockade.sandbox.ops import RunCommand
-from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.runs import PENDING_SHOWN
 from stockade.server.schemas import RunSubmit
@@ -42,6 +41,7 @@ from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import Toolset, shell
 from stockade.types import CommandResult, Limits, Trust
 from tests.conftest import wait_for
+from tests.unit.server._asgi import asgi_client, bearer
 from tests.unit.server.test_request_bodies import OLD_CLIENTS_DEFAULT
 
 
@@ -94,13 +94,8 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
 
 @pytest.fixture
 async def http(setup: Setup) -> AsyncIterator[httpx2.AsyncClient]:
-    transport = httpx2.ASGITransport(app=create_app(setup.service))
-    async with httpx2.AsyncClient(transport=transport, base_url="http://service") as client:
+    async with asgi_client(setup.service) as client:
         yield client
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture

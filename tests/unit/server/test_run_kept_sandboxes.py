@@ -24,13 +24,13 @@ from typer.testing import CliRunner
 from stockade.cli.main import app
 from stockade.runs.snapshots import ref_name
 from stockade.sandbox.snapshots import MiB, SnapshotStore
-from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.runner import Runner
 from stockade.server.service import Service
 from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
 from stockade.types import SnapshotKind
-from tests.unit.server.test_run_controls import Recorded, bearer
+from tests.unit.server._asgi import asgi_client, bearer
+from tests.unit.server.test_run_controls import Recorded
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,7 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
 
 @pytest.fixture
 async def http(setup: Setup) -> AsyncIterator[httpx2.AsyncClient]:
-    transport = httpx2.ASGITransport(app=create_app(setup.service))
-    async with httpx2.AsyncClient(transport=transport, base_url="http://service") as client:
+    async with asgi_client(setup.service) as client:
         yield client
 
 
