@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
+from stockade.assembly import AgentSession
 from stockade.audit.events import EventKind
 from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.runner import Runner
-from stockade.server.state import DatabaseApprovals, open_database
+from stockade.server.state import WAITING, DatabaseApprovals, open_database
 from stockade.server.tenants import Tenant
 from stockade.types import MiB
 from tests.conftest import require_tier
@@ -269,3 +270,61 @@ def test_a_run_whose_tenants_quota_was_cut_below_its_sandbox_ends_error_saying_s
     row = runner.store.run("r1")
     assert row is not None and row.status == "error" and row.attempts == 0, row
     assert runner.store.holds("acme") == [] and runner.wakes.at("r1") is None
+
+
+class _KilledWhileKeepingArtifacts(Runner):
+    """A runner whose run is killed (as ``POST /v1/runs/{id}/kill`` does) in the gap after the
+    agent's run has returned, while its workspace is packed as the artifacts (seconds, for a
+    large one): what that kill found, said."""
+
+    found_leased: bool | None = None
+
+    def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
+        self.found_leased = self.runs.leased(run_id)
+        if not self.store.set_status(run_id, "killed", error="stop", only_from=WAITING):
+            self.kills.kill(run_id, "stop")
+            if not self.found_leased:  # no process holds it: the kill ends it there and then
+                self.store.set_status(run_id, "killed", error="stop", only_from=("running",))
+        super()._keep_artifacts(run_id, tenant, session)
+
+
+def test_a_kill_while_a_finished_run_keeps_its_artifacts_finds_it_held_by_its_worker(runner: Runner) -> None:
+    """The agent's run released its lease as it returned: a kill then found the run "running"
+    with no holder, ended it "killed" (its quota freed while its sandbox lived), and the
+    runner then wrote "success" over it. The lease is kept to the end written: the kill is left
+    to the switch, and the run ends as it ended."""
+    _submit(runner, "r1", ["done"])
+    killing = _KilledWhileKeepingArtifacts(runner.config, name="worker-k")
+    try:
+        assert killing.execute("r1", _acme(runner)).status == "success"
+    finally:
+        killing.close()
+    assert killing.found_leased is True
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "success", row
+    assert runner.store.holds("acme") == []
+    assert not runner.runs.leased("r1")  # released once the end was written
+
+
+class _EndedElsewhereWhileKeepingArtifacts(Runner):
+    """A runner whose run is written "killed" by another hand while its artifacts are packed
+    (its lease gone meanwhile: the store unreachable past the lease's end, say)."""
+
+    def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
+        assert self.store.set_status(run_id, "killed", error="stop", only_from=("running",))
+        super()._keep_artifacts(run_id, tenant, session)
+
+
+def test_an_end_written_while_the_run_kept_its_artifacts_is_not_written_over(runner: Runner) -> None:
+    """The runner's end was written whatever the run's status had become: "killed" (its quota
+    freed, its kill answered) turned "success"."""
+    _submit(runner, "r1", ["done"])
+    ending = _EndedElsewhereWhileKeepingArtifacts(runner.config, name="worker-e")
+    try:
+        outcome = ending.execute("r1", _acme(runner))
+    finally:
+        ending.close()
+    assert outcome.status == "killed"
+    row = runner.store.run("r1")
+    assert row is not None and (row.status, row.error) == ("killed", "stop"), row
+    assert runner.store.holds("acme") == []

@@ -5,7 +5,9 @@ mean "stop now": the command must still remove what it made (the sandbox's proce
 mounts, cgroups and run folder), which only the ``with`` blocks that opened them can do. So
 each of the three either raises ``Interrupted`` in the main thread, as Ctrl-C raises
 ``KeyboardInterrupt`` (``interruptible``), or calls back a command that stops more gently
-(``on_stop``: ``stockade agent`` saves the run and interrupts it, to be resumed).
+(``on_stop``: ``stockade agent`` saves the run and interrupts it, to be resumed). What
+removes a sandbox runs with them held (``held``, ``closed_whole``): a signal that cut a close
+short would leave behind what it was removing.
 """
 
 from __future__ import annotations
@@ -14,9 +16,22 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from types import FrameType
+from typing import TypeVar
 
-__all__ = ["STOP_SIGNALS", "Interrupted", "exit_code", "interruptible", "on_stop", "signal_name"]
+__all__ = [
+    "STOP_SIGNALS",
+    "Interrupted",
+    "closed_whole",
+    "exit_code",
+    "held",
+    "interruptible",
+    "on_stop",
+    "signal_name",
+]
+
+T = TypeVar("T")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -77,3 +92,36 @@ def on_stop(stop: Callable[[int], None]) -> Iterator[list[int]]:
 
     with _handlers(handler):
         yield received
+
+
+@contextlib.contextmanager
+def held() -> Iterator[list[int]]:
+    """Stop signals are recorded, not acted on, for the block (a close, which they would cut
+    short); the list yielded holds those received. Then the handlers before it are back."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    with _handlers(handler):
+        yield received
+
+
+@contextlib.contextmanager
+def closed_whole(manager: AbstractContextManager[T]) -> Iterator[T]:
+    """``manager`` (a sandbox, an agent), whose exit runs with stop signals ``held``: one that
+    arrives then raises ``Interrupted`` once the exit is done, unless an exception (a first
+    signal's ``Interrupted``) already leaves the block: that one goes on, as it was."""
+    value = manager.__enter__()
+    try:
+        yield value
+    except BaseException as error:
+        with held() as late:
+            suppressed = manager.__exit__(type(error), error, error.__traceback__)
+        if not suppressed:
+            raise
+    else:
+        with held() as late:
+            manager.__exit__(None, None, None)
+    if late:
+        raise Interrupted(late[0])

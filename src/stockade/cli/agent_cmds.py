@@ -34,7 +34,7 @@ from stockade.agent import (
     ToolReturned,
 )
 from stockade.cli._console import CliConsole, escape, print_diff
-from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
+from stockade.cli._signals import Interrupted, closed_whole, exit_code, interruptible, on_stop, signal_name
 from stockade.policy.compliance import kill_target_reachable
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.runtime.failures import DEFAULT_FAILURES
@@ -330,10 +330,11 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
         if not reachable:
             err.print(f"[yellow]warning: the kill target cannot be reached now:[/] {escape(where)}")
         # a signal while the sandbox starts or the run is saved: stop, removing what was made
+        # (a signal while it is removed waits for that)
         with (
             interruptible(),
-            build_agent(config) as built,
-            built.session(workspace=workspace, run_id=run_id) as session,
+            closed_whole(build_agent(config)) as built,
+            closed_whole(built.session(workspace=workspace, run_id=run_id)) as session,
         ):
             run = escape(session.run_id)  # an id a caller chose may hold `[`: never markup
             out.print(
@@ -423,7 +424,8 @@ def demo(
     progress = Progress(out)
     _quiet_stamina()
     try:
-        with SQLiteStore(db) as store, open_run_store(f"sqlite:///{db}") as runs:
+        # SIGTERM and SIGHUP too unwind the demo's `with` blocks: its sandbox is removed
+        with interruptible(), SQLiteStore(db) as store, open_run_store(f"sqlite:///{db}") as runs:
             with AuditLog(store) as log:
                 result = run_demo(
                     tier=tier, observers=[progress], on_retry=progress.retry, audit=log, checkpointer=runs
@@ -432,6 +434,9 @@ def demo(
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
+    except Interrupted as stop:
+        err.print(f"[yellow]stockade demo: stopped by {stop}; the sandbox was removed[/]")
+        raise typer.Exit(exit_code(stop.signum)) from None
     out.print(f"\naudit run id: {escape(result.run_id)}")
     if not report.ok:
         err.print(f"[red]audit chain broken:[/] {escape(report.summary())}")

@@ -17,7 +17,7 @@ import typer
 from stockade import exceptions as exc
 from stockade.cli._console import CliConsole, escape
 from stockade.cli._numbers import checked
-from stockade.cli._signals import Interrupted, interruptible
+from stockade.cli._signals import Interrupted, held, interruptible, signal_name
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry
@@ -199,16 +199,18 @@ def mcp(
 
 def _served(face: McpFace, serve: Callable[[], None]) -> int:
     """``serve()`` until its clients leave or a stop signal: the exit code; then every session's
-    run ends and its sandbox is removed."""
+    run ends and its sandbox is removed, whatever signal comes meanwhile (a client closes stdin,
+    then signals: cut short, the close left the sandboxes behind)."""
+    code = 0
     try:
         with interruptible():
             serve()
     except Interrupted as stop:
         err.print(f"[yellow]stockade mcp: stopped by {stop}[/]")
-        return signal_exit_code(stop.signum)  # as a shell reports a process the signal stopped
+        code = signal_exit_code(stop.signum)  # as a shell reports a process the signal stopped
     except exc.RequestTooLarge as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
-        return 1
+        code = 1
     except BaseExceptionGroup as group:
         if not _client_gone(group):
             raise
@@ -217,8 +219,12 @@ def _served(face: McpFace, serve: Callable[[], None]) -> int:
         _stdout_to_null()
         err.print("[yellow]stockade mcp: the client went away (stdout closed); the session ended[/]")
     finally:
-        face.close()
-    return 0
+        with held() as late:
+            face.close()
+    if late and not code:
+        err.print(f"[yellow]stockade mcp: stopped by {signal_name(late[0])} (after every session ended)[/]")
+        code = signal_exit_code(late[0])
+    return code
 
 
 def _client_gone(group: BaseExceptionGroup[BaseException]) -> bool:

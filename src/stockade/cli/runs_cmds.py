@@ -27,7 +27,7 @@ from stockade._config_file import audit_key
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, escape, print_diff, print_json
 from stockade.cli._numbers import checked
-from stockade.cli._signals import Interrupted, interruptible
+from stockade.cli._signals import Interrupted, closed_whole, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.cli.agent_cmds import STATE_DIR
 from stockade.policy.approval import ApprovalRequest, Choice
@@ -486,7 +486,7 @@ def replay(
                 approver=_ask_or_deny,
                 approval_dir=Path(scratch) / "approvals",  # the decisions are in the audit trail
             )
-            with interruptible(), build_agent(config) as agent:
+            with interruptible(), closed_whole(build_agent(config)) as agent:
                 err.print(
                     f"[dim]replaying run {escape(state.run_id)} on the {agent.tier} tier "
                     f"({escape(agent.tier_reason)}), audited in {escape(audit)}[/]"

@@ -15,7 +15,7 @@ from stockade import exceptions as exc
 from stockade._checks import check_envs
 from stockade._config_file import read_config_text
 from stockade.cli._console import CliConsole, escape, print_json
-from stockade.cli._signals import Interrupted, exit_code, interruptible
+from stockade.cli._signals import Interrupted, closed_whole, exit_code, interruptible
 from stockade.sandbox import _filetable, _registry, _rules
 from stockade.sandbox.facade import Sandbox
 from stockade.types import CommandResult, Limits, NetworkPolicy, TierReport
@@ -210,13 +210,15 @@ def exec_(
             limits = Limits(
                 memory_mb=memory, cpus=cpus, pids=pids, timeout_s=timeout, output_bytes=_sizes(max_output)
             )
-            with Sandbox.create(
-                tier,
-                limits=limits,
-                network=NetworkPolicy(enabled=network),
-                envs=_envs(env or []),
-                allow_weaker=allow_weaker,
-                workspace=workspace,
+            with closed_whole(
+                Sandbox.create(
+                    tier,
+                    limits=limits,
+                    network=NetworkPolicy(enabled=network),
+                    envs=_envs(env or []),
+                    allow_weaker=allow_weaker,
+                    workspace=workspace,
+                )
             ) as sbx:
                 result = sbx.commands.run(
                     command,
@@ -278,8 +280,10 @@ def run_code(
         code = sys.stdin.read() if file == "-" else _read_source(Path(file))
         with (
             interruptible(),
-            Sandbox.create(
-                tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
+            closed_whole(
+                Sandbox.create(
+                    tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
+                )
             ) as sbx,
         ):
             execution = sbx.run_code(

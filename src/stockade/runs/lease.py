@@ -102,6 +102,9 @@ class RunLease:
         # how long a dead predecessor ran past its last checkpoint (to its last renewal)
         self.unsaved_s = unsaved_s
         self.lost = False
+        # given by ``claimed_ahead(kept=True)``: its holder's ``release`` leaves it held, and
+        # the leaving of ``claimed_ahead`` releases it
+        self.kept = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name=f"stockade-lease-{run_id[:12]}", daemon=True)
         self._thread.start()
@@ -126,8 +129,9 @@ class RunLease:
                 continue  # the store is unreachable now: the writes will say so; try again
 
     def release(self) -> None:
-        """Stop renewing and give the run up (it may be claimed at once). Idempotent."""
-        if self._stop.is_set():
+        """Stop renewing and give the run up (it may be claimed at once). Idempotent; nothing
+        while ``kept``."""
+        if self.kept or self._stop.is_set():
             return
         self._stop.set()
         self._thread.join()

@@ -399,8 +399,13 @@ class Runner:
                 )
             return RunOutcome(run_id=run_id, status=status, error=asked)
         # a kill pulled before the run watched its switch (queued): the switch is cleared with
-        # the session, so the service's own status keeps the word
-        self.store.set_status(run_id, status, error=result.error)
+        # the session, so the service's own status keeps the word. Only over "running": a
+        # kill written meanwhile stands
+        if not self.store.set_status(run_id, status, error=result.error, only_from=("running",)):
+            now = self.store.run_head(run_id)
+            return RunOutcome(
+                run_id=run_id, status=now.status if now else "missing", error=now.error if now else None
+            )
         return RunOutcome(run_id=run_id, status=status, error=result.error)
 
     def _conflict(self, run_id: str) -> RunOutcome:
@@ -540,7 +545,10 @@ class Runner:
         # no attempt and leaves the run's worker as it is. The share it may have held is the
         # run's, which the winner holds too (one row per run): not dropped.
         try:
-            lease.enter_context(self.runs.claimed_ahead(run_id, new=not resume))
+            # kept past the agent's run, to the status written at its end: a kill in between
+            # (the artifacts packed, the sandbox removed) found no lease, ended the run "killed"
+            # and freed its quota while its sandbox lived, and the end written then over it
+            lease.enter_context(self.runs.claimed_ahead(run_id, new=not resume, kept=True))
         except exc.RunConflict:
             return self._conflict(run_id)
         # Only from where it waited to run (or ran, delivered again): a kill of the queued run
