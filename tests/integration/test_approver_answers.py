@@ -191,6 +191,31 @@ def test_code_that_keeps_an_approval_pending_times_out_once_approval_wait_s_is_s
         assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 
+def test_run_code_that_keeps_an_approval_pending_times_out_once_approval_wait_s_is_spent(tier: str) -> None:
+    limits = Limits(memory_mb=256, timeout_s=20, pids=64, approval_wait_s=2)
+    keeps_asking = (
+        "import subprocess, threading, time\n"
+        "def ask():\n"
+        "    for i in range(10**6):\n"
+        "        try:\n"
+        "            subprocess.run(['rm', '-r', f'/tmp/x{i}'])\n"
+        "        except PermissionError:\n"
+        "            pass  # refused: ask again, with a new argv\n"
+        "threading.Thread(target=ask, daemon=True).start()\n"
+        "time.sleep(25)\n"
+        "'survived'"
+    )
+
+    def slow_no(record: ExecRecord) -> bool:
+        time.sleep(0.2)
+        return False
+
+    with Sandbox.create(tier, limits=limits, rules=RULES, approver=slow_no) as sbx:
+        r = sbx.run_code(keeps_asking, timeout_s=2)
+        assert r.timed_out and r.text != "'survived'", r
+        assert sbx.run_code("1 + 1").text == "2"
+
+
 async def test_a_cancelled_call_cancels_its_async_approver_and_a_late_yes_runs_nothing(tier: str) -> None:
     human = asyncio.Event()
     gave_up = asyncio.Event()
