@@ -67,7 +67,12 @@ MAX_PENDING_APPROVALS = 100  # requests a run keeps pending at most (RunLimits.m
 class Limits:
     """Resource limits of one sandbox. Every tier enforces all of them or says it cannot.
 
-    ``timeout_s`` is the default wall-clock limit of each command or ``run_code`` call;
+    ``timeout_s`` is the default wall-clock limit of each command or ``run_code`` call; its
+    clock stands still while an exec of the call waits for the sandbox's ``approver`` (a
+    human's time is not the code's), for at most ``approval_wait_s`` of the call in all
+    (the wall time during which at least one of its execs waited): past it, the call's
+    deadline runs even while an exec waits, so that code which keeps an approval pending
+    at all times still ends within ``timeout_s + approval_wait_s``;
     ``output_bytes`` caps stdout and stderr each, and a ``run_code``'s results and error
     together (bytes of JSON, cut inside with a mark: ``Execution.truncated``).
     ``open_files`` bounds the file descriptors the whole sandbox can hold: each of its (at
@@ -114,6 +119,7 @@ class Limits:
     output_bytes: int = 1 * MiB
     open_files: int = 16384
     ptys: int = 64
+    approval_wait_s: float = 900.0
 
     def __post_init__(self) -> None:
         for name, (integer, low, high, unit) in _LIMIT_RANGES.items():
@@ -122,7 +128,7 @@ class Limits:
                 continue  # sized from memory_mb
             check_number(
                 value, argument=f"Limits.{name}", integer=integer, low=low, high=high,
-                unit=unit, low_inclusive=low > 0,
+                unit=unit, low_inclusive=low > 0 or name == "approval_wait_s",  # 0: never stands still
             )  # fmt: skip
         if 4 * self.files_memory > 3 * self.memory_mb * MiB:
             given = [name for name in ("disk_mb", "tmp_mb", "inodes") if getattr(self, name) is not None]
@@ -266,6 +272,7 @@ _LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
     "output_bytes": (True, 1, 2**50, "bytes"),
     "open_files": (True, 1, 2**31 - 1, "descriptors"),
     "ptys": (True, 1, 1 << 20, "pseudo-terminals"),  # NR_UNIX98_PTY_MAX
+    "approval_wait_s": (False, 0, MAX_TIMEOUT_S, "seconds"),
 }
 
 

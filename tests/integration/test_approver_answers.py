@@ -8,14 +8,16 @@ sandbox down: the time an exec waits for its answer is not the call's.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stockade import AsyncSandbox, InvalidArgument, Limits, Sandbox
+from stockade import AsyncSandbox, InvalidArgument, Limits, Sandbox, SnapshotStore
 from stockade.policy.approval import Choice
 from stockade.sandbox._supervised import GRACE_S
 from stockade.types import ExecRecord, SandboxRules
@@ -163,3 +165,96 @@ def test_a_human_slower_than_run_codes_timeout_leaves_its_interpreter_running(ti
         r = sbx.run_code(code)
         assert r.error is None and not r.timed_out and r.text == "0", r
         assert sbx.run_code("kept").text == "'state'"  # the same interpreter: not restarted
+
+
+def test_code_that_keeps_an_approval_pending_times_out_once_approval_wait_s_is_spent(tier: str) -> None:
+    # A loop of ever new `rm -r` argvs (each asked again), always one waiting for a slowish no,
+    # beside a sleep far past timeout_s: the waits stopped the clock for ever (the call ran
+    # its 25 s and printed). They stop it for approval_wait_s in all; then it is killed.
+    asked: list[str] = []
+
+    def slow_no(record: ExecRecord) -> bool:
+        asked.append(record.argv[-1])
+        time.sleep(0.2)  # a human's quick no
+        return False
+
+    limits = Limits(memory_mb=256, timeout_s=20, pids=64, approval_wait_s=2)
+    keeps_asking = (
+        "( i=0; while :; do for j in 1 2 3 4; do rm -r /tmp/x$i.$j 2>/dev/null & done; "
+        "i=$((i+1)); wait; done ) & sleep 25; echo survived"
+    )
+    with Sandbox.create(tier, limits=limits, rules=RULES, approver=slow_no) as sbx:
+        r = sbx.commands.run(keeps_asking, timeout_s=2)
+        assert r.timed_out and "survived" not in r.stdout, r
+        assert asked  # it did wait for approvals meanwhile
+        # the host's clock credited no less than the supervisor's: it did not take the sandbox down
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_run_code_that_keeps_an_approval_pending_times_out_once_approval_wait_s_is_spent(tier: str) -> None:
+    limits = Limits(memory_mb=256, timeout_s=20, pids=64, approval_wait_s=2)
+    keeps_asking = (
+        "import subprocess, threading, time\n"
+        "def ask():\n"
+        "    for i in range(10**6):\n"
+        "        try:\n"
+        "            subprocess.run(['rm', '-r', f'/tmp/x{i}'])\n"
+        "        except PermissionError:\n"
+        "            pass  # refused: ask again, with a new argv\n"
+        "threading.Thread(target=ask, daemon=True).start()\n"
+        "time.sleep(25)\n"
+        "'survived'"
+    )
+
+    def slow_no(record: ExecRecord) -> bool:
+        time.sleep(0.2)
+        return False
+
+    with Sandbox.create(tier, limits=limits, rules=RULES, approver=slow_no) as sbx:
+        r = sbx.run_code(keeps_asking, timeout_s=2)
+        assert r.timed_out and r.text != "'survived'", r
+        assert sbx.run_code("1 + 1").text == "2"
+
+
+async def test_a_cancelled_call_cancels_its_async_approver_and_a_late_yes_runs_nothing(tier: str) -> None:
+    human = asyncio.Event()
+    gave_up = asyncio.Event()
+
+    async def approver(record: ExecRecord) -> bool:
+        try:
+            await human.wait()  # a human who answers yes, after the caller gave up
+        except asyncio.CancelledError:
+            gave_up.set()
+            raise
+        return True
+
+    sbx = await AsyncSandbox.create(tier, limits=LIMITS, rules=RULES, approver=approver)
+    async with sbx:
+        await sbx.files.write("victim/a.txt", b"precious")
+        # the human's yes comes 3 s on whatever happens: the old code waited for it, then ran rm
+        asyncio.get_running_loop().call_later(3, human.set)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(sbx.commands.run("rm -r victim"), 0.5)
+        await asyncio.wait_for(gave_up.wait(), 30)  # the approver was cancelled, not left waiting
+        await human.wait()
+        r = await sbx.commands.run("cat victim/a.txt")
+        assert r.stdout == "precious", r
+
+
+def test_resume_refuses_an_approver_it_cannot_call_and_leaves_the_pause_to_resume(
+    tier: str, tmp_path: Path
+) -> None:
+    store = SnapshotStore(tmp_path / "snapshots")
+    with Sandbox.create(tier, limits=LIMITS, rules=RULES) as sbx:
+        sbx.files.write("kept.txt", "work")
+        sbx.pause(store=store)
+
+    async def human(record: ExecRecord) -> bool:
+        return True
+
+    for approver in ("yes", human):  # not callable; async, which a blocking Sandbox cannot await
+        with pytest.raises(InvalidArgument) as refused:
+            Sandbox.resume(sbx.id, store=store, approver=approver)  # type: ignore[arg-type]
+        assert refused.value.argument == "approver"
+    with Sandbox.resume(sbx.id, store=store, approver=Answers({"kept": False})) as back:
+        assert back.files.read("kept.txt") == "work"

@@ -167,7 +167,10 @@ def limits_body(limits: Limits | None) -> dict[str, Any] | None:
             f"limits must be a Limits, got {type(limits).__name__}", argument="limits",
             fix="give Limits(memory_mb=..., timeout_s=...)",
         )  # fmt: skip
-    return {k: v for k, v in dataclasses.asdict(limits).items() if v is not None}
+    body = {k: v for k, v in dataclasses.asdict(limits).items() if v is not None}
+    if body["approval_wait_s"] == Limits.approval_wait_s:  # a service older than it refuses the field
+        del body["approval_wait_s"]
+    return body
 
 
 def _network(network: NetworkPolicy) -> dict[str, Any]:

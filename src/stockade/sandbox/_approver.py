@@ -7,12 +7,14 @@ non-empty string) and an async approver's coroutine (never awaited) run ``rm -r`
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from stockade import exceptions as exc
 from stockade._display import visible
+from stockade.sandbox._interrupt import CUT
 
 if TYPE_CHECKING:
     import asyncio
@@ -20,7 +22,10 @@ if TYPE_CHECKING:
     from stockade.policy.approval import Choice
     from stockade.types import ExecRecord
 
-__all__ = ["Approver", "AsyncApprover", "answered", "check_approver", "on_loop"]
+__all__ = ["Approver", "AsyncApprover", "answered", "check_approver", "cut_requested", "on_loop"]
+
+# How often a worker thread waiting for an async approver looks whether its caller gave up.
+CUT_POLL_S = 0.05
 
 # ``Sandbox``'s: called in the thread that runs the call.
 Approver: TypeAlias = "Callable[[ExecRecord], bool | Choice]"
@@ -80,9 +85,26 @@ def on_loop(approver: AsyncApprover, loop: asyncio.AbstractEventLoop) -> Approve
         if running is loop or loop.is_closed() or not loop.is_running():
             # on the loop's own thread it would wait for itself; a loop gone awaits nothing
             return answer  # ``answered`` closes it, and refuses
-        return asyncio.run_coroutine_threadsafe(_awaited(answer), loop).result()
+        future = asyncio.run_coroutine_threadsafe(_awaited(answer), loop)
+        cut = CUT.get()
+        while True:
+            try:
+                return future.result(CUT_POLL_S if cut is not None else None)
+            except concurrent.futures.TimeoutError:
+                if cut is not None and cut.requested:
+                    # The caller gave up (its task cancelled): the approver is cancelled with
+                    # it, and a yes it would give later lets nothing run.
+                    future.cancel()
+                    return False
 
     return ask
+
+
+def cut_requested() -> bool:
+    """Whether the task this thread's call runs for was cancelled (``_interrupt``): then an
+    approver's answer, however late, lets no exec of the call run."""
+    cut = CUT.get()
+    return cut is not None and cut.requested
 
 
 async def _awaited(answer: Awaitable[Any]) -> Any:

@@ -30,7 +30,7 @@ from stockade import _exit
 from stockade import exceptions as exc
 from stockade._display import visible
 from stockade.sandbox import _rules
-from stockade.sandbox._approver import answered
+from stockade.sandbox._approver import answered, cut_requested
 from stockade.sandbox._boundary import Boundary, EgressHandle
 from stockade.sandbox._channel import Channel, Stream
 from stockade.sandbox._replies import (
@@ -612,6 +612,10 @@ class SupervisedInstance(Instance):
         streams = {1: OutputCollector(cap), 2: OutputCollector(cap)}
         between: dict[str, Any] | None = None
         deadline = time.monotonic() + timeout + GRACE_S  # the send of a large stdin included
+        hold_cap = self.spec.limits.approval_wait_s
+        header = {**header, "approval_wait": hold_cap}
+        first_asked: float | None = None
+        credited = 0.0
         try:
             call = self.channel.call(header, body, deadline)
         except TimeoutError:
@@ -627,10 +631,14 @@ class SupervisedInstance(Instance):
                         sink(fd, part)
                 elif ev == "approve":
                     # The time a human takes is not the command's: the supervisor holds the
-                    # job's deadline back as long (``ExecJudge.park``), the host's follows.
-                    asked = time.monotonic()
+                    # job's deadline back while an exec waits, up to approval_wait_s of the
+                    # call (``jobs.Job.hold``). The host's follows by no less: the whole span
+                    # from the first ask to the last answer, within the same cap.
+                    first_asked = time.monotonic() if first_asked is None else first_asked
                     self._approve(h)
-                    call.extend(time.monotonic() - asked)
+                    span = min(time.monotonic() - first_asked, hold_cap)
+                    call.extend(span - credited)
+                    credited = span
                 elif ev == "between" and between is None:  # one per call: a second is not ours
                     between = h
                 elif ev in ("exit", "result"):
@@ -668,6 +676,8 @@ class SupervisedInstance(Instance):
             allow, why = answered(approver(record)) if approver is not None else (False, "")
         except Exception as error:  # an approver that fails says no
             allow, why = False, f"the approver raised {type(error).__name__}: {visible(str(error))[:200]}"
+        if allow and cut_requested():  # the caller gave up while the approver thought
+            allow, why = False, "the call was cancelled while the approver was asked"
         if why:
             log.warning("sandbox %s: exec %s refused: %s", self.id, record.argv[:8], why)
         verdict: dict[str, Any] = {"op": "verdict", "req": int_field(h.get("req")), "allow": allow}

@@ -93,7 +93,8 @@ class Sandbox:
         copy); ``approver`` is asked, on the host, about an exec the rules send for approval:
         only ``True`` (or ``Choice.APPROVED``) lets it run; anything else (``False``, ``None``,
         ``Choice.DENIED``, another value, an exception) refuses it, the reason in its record.
-        The time it takes is not the call's: ``timeout_s`` stands still while it decides.
+        The time it takes is not the call's: ``timeout_s`` stands still while it decides, for
+        at most ``Limits.approval_wait_s`` (15 minutes) of a call in all.
 
         ``snapshot`` (a ``Snapshot`` or its id, in ``store``) starts the sandbox from a snapshot,
         as many times as wanted: on its tier and with its settings unless others are given;
@@ -197,6 +198,7 @@ class Sandbox:
     ) -> Sandbox:
         """The paused sandbox ``sandbox_id``, running again under its id. One resume wins:
         the others (and a second one) get ``SnapshotNotFound``."""
+        check_approver(approver)  # before the claim: a refused one must not use the pause up
         check_backend(backend)
         chosen = check_store(store)
         with chosen.claim("paused", sandbox_id) as ref:

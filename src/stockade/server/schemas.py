@@ -150,6 +150,7 @@ class LimitsIn(_In):
     output_bytes: int | None = None
     open_files: int | None = None
     ptys: int | None = None
+    approval_wait_s: float | None = None
 
     def build(self) -> Limits:
         # an older client sends its default inodes=65536 outright, meaning today's default

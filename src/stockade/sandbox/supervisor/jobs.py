@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     from supervisor import Supervisor
 
 
+# How long the approvals of one call may stop its clock in all when the host says nothing
+# (an older host): ``Limits.approval_wait_s``'s default.
+HOLD_CAP_S = 900.0
+
+
 class Job:
     def __init__(self, sup: "Supervisor", rid: int) -> None:
         self.sup = sup
@@ -60,32 +65,42 @@ class Job:
         # A run_code's: the most bytes its report may take (``Interpreter.next_run``).
         self.report_cap = 0
         # Its execs waiting for the host's approver, and since when: a human's time is not
-        # the job's, so its deadline stands still meanwhile (``hold``, ``release``).
+        # the job's, so its deadline stands still meanwhile (``hold``, ``release``), but for
+        # at most ``hold_cap`` seconds of the call in all (the host's ``approval_wait``,
+        # ``Limits.approval_wait_s``), counted as the wall time during which any waited: code
+        # that keeps one exec waiting at all times (a loop of new ``rm -r`` argvs beside a
+        # ``sleep``) stopped the clock for ever.
         self.held = 0
         self.held_since = 0.0
+        self.hold_cap = HOLD_CAP_S
+        self.credited = 0.0  # of hold_cap, taken by the waits ended so far
 
     def hold(self) -> None:
-        """One of its execs waits for the host's approver: no deadline runs until it is
-        answered."""
+        """One of its execs waits for the host's approver: the deadline stands still until
+        it is answered, while what is left of ``hold_cap`` lasts."""
         if self.held == 0:
             self.held_since = time.monotonic()
         self.held += 1
 
     def release(self) -> None:
         """An exec's approval was answered (or dropped): once none waits, the deadline is
-        moved on by the time they waited."""
+        moved on by the time they waited together (overlapping waits count once), as far as
+        ``hold_cap`` lets it."""
         if self.held <= 0:
             return
         self.held -= 1
         if self.held == 0 and self.deadline is not None and not self.timed_out:
-            self.deadline += time.monotonic() - self.held_since
+            gained = min(time.monotonic() - self.held_since, max(0.0, self.hold_cap - self.credited))
+            self.credited += gained
+            self.deadline += gained
 
     def due(self) -> "Optional[float]":
-        """The deadline that runs now: none while an exec of its waits for an approval (a
-        job timed out is killed again all the same: its approvals answer no one)."""
-        if self.held and not self.timed_out:
-            return None
-        return self.deadline
+        """The deadline that runs now: while an exec of its waits for an approval, moved on by
+        what is left of ``hold_cap`` (a job timed out is killed again all the same: its
+        approvals answer no one)."""
+        if not self.held or self.timed_out or self.deadline is None or self.held_since >= self.deadline:
+            return self.deadline
+        return self.deadline + max(0.0, self.hold_cap - self.credited)
 
     def report(self) -> "dict[str, Any]":
         """What every final frame says of the job besides its own outcome."""
@@ -279,6 +294,7 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
     job = CommandJob(sup, rid)
     timeout = h.get("timeout")
     job.deadline = time.monotonic() + float(timeout if timeout else sup.default_timeout)
+    job.hold_cap = float(h.get("approval_wait", HOLD_CAP_S))
     interp = sup.interpreter
     starts_code(sup, job, interp is None or not interp.used)
     made: list[int] = []

@@ -18,7 +18,7 @@ import time
 from select import EPOLLIN as EVENT_READ
 
 from fileops import _write_all
-from jobs import Job, Outputs, starts_code
+from jobs import HOLD_CAP_S, Job, Outputs, starts_code
 from protocol import (
     CODE_REPORT_MARKS,
     MAX_CODE_REPLY,
@@ -111,6 +111,7 @@ def op_code(sup: "Supervisor", rid: int, h: "dict[str, Any]", body: bytes) -> No
     job = Job(sup, rid)
     timeout = h.get("timeout")
     job.timeout = float(timeout if timeout else sup.default_timeout)  # type: ignore[attr-defined]
+    job.hold_cap = float(h.get("approval_wait", HOLD_CAP_S))
     queue_code(sup, job, body)
 
 
