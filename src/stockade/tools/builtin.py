@@ -207,11 +207,22 @@ def run_test_command(
     with contextlib.suppress(WorkspaceError):
         parsed = parse_junit_xml(books.files.read_range(report_path, 0, MAX_REPORT_BYTES + 1))
         books.files.remove(report_path)
+    doubt = ""
     if parsed is not None:
         runner = "pytest"
-    if parsed is None and runner == "unittest":
+    elif runner == "pytest":
+        # pytest writes the report it was asked for whenever its session ends: without one it
+        # did not finish (code called os._exit(0) after a failing test), or the report was
+        # over the cap or unreadable. Its exit code alone is not a pass.
+        cap = MAX_REPORT_BYTES // 2**20
+        doubt = f"pytest was asked for a JUnit report and left none readable (at most {cap} MiB)"
+    counted = unittest_counts(output) if runner == "unittest" else None
+    if runner == "unittest":
         parsed = parse_unittest_output(output)
-        if not any(parsed[:4]):
+        if counted is not None and counted.verdict_ok and counted.progress_failed and not parsed.verbose:
+            failing = counted.progress_failed
+            doubt = f"the progress line shows {failing} failed or errored, the summary after it OK"
+        if parsed.empty:
             parsed = None
     if parsed is None:
         return TestReport(
@@ -221,27 +232,30 @@ def run_test_command(
             output=output,
             duration_s=duration,
             timed_out=result.timed_out,
+            doubt=doubt,
         )
-    passed, failed, errored, skipped, failures = parsed
-    unnamed = 0
-    if runner == "unittest" and not passed:  # not verbose: the summary counts what it does not name
-        counted = unittest_counts(output)
-        if counted is not None:
-            unnamed = max(counted.ran - len(failed) - len(errored) - counted.not_passed_unnamed, 0)
-            skipped = max(skipped, counted.skipped)
+    unnamed = parsed.passed_unnamed
+    skipped = parsed.skipped
+    # Without -v the summary counts what it does not name; with -v the lines are the count (a
+    # test can print a summary of its own, "Ran 500 tests ... OK", and end the process).
+    if runner == "unittest" and not parsed.verbose and counted is not None:
+        failed_or_errored = len(parsed.failed) + len(parsed.errored)
+        unnamed = max(counted.ran - failed_or_errored - counted.not_passed_unnamed, 0)
+        skipped = max(skipped, counted.skipped)
     return TestReport(
         command=command,
         runner=runner,
         exit_code=result.exit_code,
-        passed=tuple(passed),
+        passed=tuple(parsed.passed),
         passed_unnamed=unnamed,
-        failed=tuple(failed),
-        errored=tuple(errored),
+        failed=tuple(parsed.failed),
+        errored=tuple(parsed.errored),
         skipped=skipped,
-        failures=tuple(failures),
+        failures=tuple(parsed.failures),
         output=output,
         duration_s=duration,
         timed_out=result.timed_out,
+        doubt=doubt,
     )
 
 

@@ -4,19 +4,30 @@ pytest writes JUnit XML (``--junitxml``), which is parsed here; ``python -m unit
 prints one line per test, which is parsed too; any other runner gives its plain output.
 The XML comes out of the sandbox, so it is untrusted: a report over its size cap is not parsed
 (expat, bundled with CPython >= 3.11, refuses entity-expansion bombs), nothing in it is
-followed or executed, and one that cannot be read is no report: the plain output stands.
+followed or executed, and one that cannot be read is no report: the plain output stands. It
+is read a test case at a time, keeping counts, a bounded number of passing names and the
+first ``MAX_FAILURES_SHOWN`` failure messages: a report just under the cap held ~128 MiB of
+host memory as a tree.
+
+``TestReport.ok`` is a pass: exit code 0, not timed out, no failed or errored test in what was
+parsed, and nothing that contradicts it (``doubt``). Code in the sandbox can still forge a
+report or a summary; what it cannot do is have a run counted a pass next to failures that
+were parsed, or a pytest run that wrote no report counted a pass on its exit code alone.
 """
 
 from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stockade.tools.deadline import checkpoint
 
 __all__ = [
+    "MAX_FAILURES_SHOWN",
+    "MAX_NAMED_PASSES",
     "MAX_REPORT_BYTES",
+    "ParsedTests",
     "TestFailure",
     "TestReport",
     "UnittestCounts",
@@ -26,7 +37,11 @@ __all__ = [
 ]
 
 MAX_REPORT_BYTES = 8 * 1024 * 1024
+MAX_FAILURES_SHOWN = 50  # failures kept with their messages; the others are named only
+MAX_NAMED_PASSES = 1000  # passing tests kept by name; the others are counted
+_MAX_MESSAGE_CHARS = 4000  # of one failure's message (its head and tail)
 _SHOWN_OUTPUT = 3000
+_FEED_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,10 +69,18 @@ class TestReport:
     output: str = ""
     duration_s: float = 0.0
     timed_out: bool = False
+    doubt: str = ""  # why the exit code is not a pass though it is 0, e.g. pytest wrote no report
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
+        """A pass: exit code 0 in time, no failed or errored test parsed, nothing to doubt it."""
+        return (
+            self.exit_code == 0
+            and not self.timed_out
+            and not self.failed
+            and not self.errored
+            and not self.doubt
+        )
 
     @property
     def passed_count(self) -> int:
@@ -68,55 +91,153 @@ class TestReport:
             head = f"$ {self.command}\nexit code {self.exit_code}" + (
                 " (timed out)" if self.timed_out else ""
             )
-            return f"{head}\n{self.output}"
+            return f"{head}{self._doubted()}\n{self.output}"
         lines = [
             f"$ {self.command}",
             f"{self.runner}: {self.passed_count} passed, {len(self.failed)} failed, "
             f"{len(self.errored)} errors, {self.skipped} skipped (exit code {self.exit_code})"
-            + (" (timed out)" if self.timed_out else ""),
+            + (" (timed out)" if self.timed_out else "")
+            + self._doubted(),
         ]
         for failure in self.failures:
             lines.append(f"\n{failure.kind.upper()} {failure.test_id}\n{failure.message.rstrip()}")
+        unshown = len(self.failed) + len(self.errored) - len(self.failures)
+        if self.failures and unshown > 0:
+            lines.append(f"\n({unshown} more failed or errored tests not shown)")
         if not self.failures and not self.ok:
             tail = self.output[-_SHOWN_OUTPUT:]
             lines.append(f"\noutput (last {len(tail)} characters):\n{tail}")
         return "\n".join(lines)
 
+    def _doubted(self) -> str:
+        return f"; not a pass: {self.doubt}" if self.doubt and self.exit_code == 0 else ""
 
-def parse_junit_xml(xml: bytes) -> tuple[list[str], list[str], list[str], int, list[TestFailure]] | None:
-    """(passed, failed, errored, skipped, failures) from a JUnit XML report; None when it is
-    not one this reads: over ``MAX_REPORT_BYTES``, not well-formed, or in an encoding expat
-    refuses (ValueError for a multi-byte one such as shift_jis, LookupError for an unknown
-    name or a codec that is not text, such as hex)."""
+
+@dataclass(frozen=True, kw_only=True)
+class ParsedTests:
+    """What a runner's report or output says of each test."""
+
+    passed: list[str] = field(default_factory=list)
+    passed_unnamed: int = 0  # passes past MAX_NAMED_PASSES, counted only
+    failed: list[str] = field(default_factory=list)
+    errored: list[str] = field(default_factory=list)
+    skipped: int = 0
+    failures: list[TestFailure] = field(default_factory=list)  # the first MAX_FAILURES_SHOWN
+    verbose: bool = False  # unittest: one line per test was printed (-v)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.passed or self.passed_unnamed or self.failed or self.errored or self.skipped)
+
+
+def _cut(message: str) -> str:
+    if len(message) <= _MAX_MESSAGE_CHARS:
+        return message
+    half = _MAX_MESSAGE_CHARS // 2
+    return f"{message[:half]}\n[... {len(message) - 2 * half:,} characters cut ...]\n{message[-half:]}"
+
+
+class _Element:
+    """An open element of the report: a test case's outcome is held on it until it closes."""
+
+    __slots__ = ("case", "childless", "error", "failure", "skipped", "text")
+
+    def __init__(self, case: str | None) -> None:
+        self.case = case  # the test id of a testcase
+        self.failure: _Element | None = None
+        self.error: _Element | None = None
+        self.skipped = False
+        self.text: list[str] | None = None  # of a failure or error being kept: its text
+        self.childless = True
+
+
+class _JUnitTarget:
+    """Counts a JUnit report's test cases as expat reads them; no tree is built, and a
+    passing case is a count once ``MAX_NAMED_PASSES`` are named."""
+
+    def __init__(self) -> None:
+        self.open: list[_Element] = []
+        self.passed: list[str] = []
+        self.unnamed = 0
+        self.failed: list[str] = []
+        self.errored: list[str] = []
+        self.skipped = 0
+        self.failures: list[TestFailure] = []
+
+    def start(self, tag: str, attrib: dict[str, str]) -> None:
+        parent = self.open[-1] if self.open else None
+        if parent is not None:
+            parent.childless = False
+        if tag == "testcase":
+            classname, name = attrib.get("classname", ""), attrib.get("name", "")
+            element = _Element(f"{classname}::{name}" if classname else name)
+        else:
+            element = _Element(None)
+        if parent is not None and parent.case is not None:
+            # The first of each, as Element.find gave it.
+            if tag == "skipped":
+                parent.skipped = True
+            elif tag in ("failure", "error") and getattr(parent, tag) is None:
+                setattr(parent, tag, element)
+                if len(self.failures) < MAX_FAILURES_SHOWN:
+                    element.text = [attrib.get("message", "")]  # the message attribute, then text
+        self.open.append(element)
+
+    def data(self, text: str) -> None:
+        top = self.open[-1] if self.open else None
+        if top is not None and top.text is not None and top.childless:  # what Element.text was
+            top.text.append(text)
+
+    def end(self, tag: str) -> None:
+        element = self.open.pop()
+        if element.case is None:
+            return
+        checkpoint()
+        test_id = element.case
+        if element.skipped:
+            self.skipped += 1
+        elif element.failure is not None or element.error is not None:
+            node = element.failure if element.failure is not None else element.error
+            assert node is not None
+            kind = "failed" if element.failure is not None else "error"
+            (self.failed if kind == "failed" else self.errored).append(test_id)
+            if node.text is not None and len(self.failures) < MAX_FAILURES_SHOWN:
+                message, *text = node.text
+                detail = "".join(text).strip()
+                self.failures.append(TestFailure(test_id=test_id, kind=kind, message=_cut(detail or message)))
+        elif len(self.passed) < MAX_NAMED_PASSES:
+            self.passed.append(test_id)
+        else:
+            self.unnamed += 1
+
+    def close(self) -> None:
+        return None
+
+
+def parse_junit_xml(xml: bytes) -> ParsedTests | None:
+    """What a JUnit XML report says; None when it is not one this reads: over
+    ``MAX_REPORT_BYTES``, not well-formed, or in an encoding expat refuses (ValueError for a
+    multi-byte one such as shift_jis, LookupError for an unknown name or a codec that is not
+    text, such as hex). Expat feeds it a test case at a time; no tree is built."""
     if len(xml) > MAX_REPORT_BYTES:
         return None
+    target = _JUnitTarget()
     try:
-        root = ET.fromstring(xml)
+        parser = ET.XMLParser(target=target)
+        view = memoryview(xml)
+        for at in range(0, len(xml), _FEED_BYTES):
+            parser.feed(view[at : at + _FEED_BYTES])
+        parser.close()
     except (SyntaxError, ValueError, LookupError):
         return None
-    passed: list[str] = []
-    failed: list[str] = []
-    errored: list[str] = []
-    skipped = 0
-    failures: list[TestFailure] = []
-    for case in root.iter("testcase"):
-        checkpoint()
-        classname, name = case.get("classname", ""), case.get("name", "")
-        test_id = f"{classname}::{name}" if classname else name
-        failure, error = case.find("failure"), case.find("error")
-        if case.find("skipped") is not None:
-            skipped += 1
-        elif failure is not None or error is not None:
-            node = failure if failure is not None else error
-            assert node is not None
-            kind = "failed" if failure is not None else "error"
-            (failed if kind == "failed" else errored).append(test_id)
-            detail = (node.text or "").strip()
-            message = node.get("message", "")
-            failures.append(TestFailure(test_id=test_id, kind=kind, message=detail or message))
-        else:
-            passed.append(test_id)
-    return passed, failed, errored, skipped, failures
+    return ParsedTests(
+        passed=target.passed,
+        passed_unnamed=target.unnamed,
+        failed=target.failed,
+        errored=target.errored,
+        skipped=target.skipped,
+        failures=target.failures,
+    )
 
 
 _UNITTEST_LINE = re.compile(
@@ -127,8 +248,9 @@ _UNITTEST_BLOCK = re.compile(
 )
 
 
-def parse_unittest_output(output: str) -> tuple[list[str], list[str], list[str], int, list[TestFailure]]:
-    """(passed, failed, errored, skipped, failures) from ``python -m unittest -v`` output."""
+def parse_unittest_output(output: str) -> ParsedTests:
+    """What ``python -m unittest`` output says of each test: every test by name with ``-v``,
+    only those that failed or errored (their blocks) without."""
     passed: list[str] = []
     failed: list[str] = []
     errored: list[str] = []
@@ -147,14 +269,22 @@ def parse_unittest_output(output: str) -> tuple[list[str], list[str], list[str],
         TestFailure(
             test_id=f"{where.removesuffix('.' + name)}::{name}",
             kind="failed" if kind == "FAIL" else "error",
-            message=body.strip(),
+            message=_cut(body.strip()),
         )
         for kind, name, where, body in _UNITTEST_BLOCK.findall(output)
     ]
-    if not (passed or failed or errored or skipped):  # not verbose: the failure blocks still name them
+    verbose = bool(passed or failed or errored or skipped)
+    if not verbose:  # the failure blocks still name them
         failed = [f.test_id for f in failures if f.kind == "failed"]
         errored = [f.test_id for f in failures if f.kind == "error"]
-    return passed, failed, errored, skipped, failures
+    return ParsedTests(
+        passed=passed,
+        failed=failed,
+        errored=errored,
+        skipped=skipped,
+        failures=failures[:MAX_FAILURES_SHOWN],
+        verbose=verbose,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,10 +294,15 @@ class UnittestCounts:
     ran: int
     skipped: int = 0
     not_passed_unnamed: int = 0  # skipped, expected failures and unexpected successes
+    verdict_ok: bool = False  # the summary closed with OK
+    progress_failed: int = 0  # F and E in the progress line (quiet runs) that precedes it
 
 
 _UNITTEST_RAN = re.compile(r"^Ran (\d+) tests? in ", re.M)
-_UNITTEST_VERDICT = re.compile(r"^(?:OK|FAILED)(?: \((.*)\))?$", re.M)
+_UNITTEST_VERDICT = re.compile(r"^(OK|FAILED)(?: \((.*)\))?$", re.M)
+# A quiet run's progress, one character a test, ends on the line before the failure blocks or
+# the closing rule: a summary after an F there that says OK is not unittest's.
+_UNITTEST_PROGRESS = re.compile(r"^([.FEsxu]+)\n(?:={50,}|-{50,})$", re.M)
 
 
 def unittest_counts(output: str) -> UnittestCounts | None:
@@ -177,10 +312,18 @@ def unittest_counts(output: str) -> UnittestCounts | None:
         return None
     counts: dict[str, int] = {}
     verdicts = _UNITTEST_VERDICT.findall(output)
-    for item in (verdicts[-1] if verdicts else "").split(","):
+    verdict, details = verdicts[-1] if verdicts else ("", "")
+    for item in details.split(","):
         key, _, value = item.strip().partition("=")
         if value.isdigit():
             counts[key] = int(value)
     skipped = counts.get("skipped", 0)
     others = counts.get("expected failures", 0) + counts.get("unexpected successes", 0)
-    return UnittestCounts(ran=int(ran[-1]), skipped=skipped, not_passed_unnamed=skipped + others)
+    progress = _UNITTEST_PROGRESS.findall(output)
+    return UnittestCounts(
+        ran=int(ran[-1]),
+        skipped=skipped,
+        not_passed_unnamed=skipped + others,
+        verdict_ok=verdict == "OK",
+        progress_failed=sum(line.count("F") + line.count("E") for line in progress[-1:]),
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -186,9 +187,10 @@ def run_ends(log: AuditLog) -> list[object]:
     return [e.attributes["status"] for e in log.store.events() if e.kind.value == "run_end"]
 
 
-def test_a_report_the_code_wrote_in_shift_jis_is_the_checks_plain_output(tmp_path: object) -> None:
+def test_a_report_the_code_wrote_in_shift_jis_is_no_pass_and_the_run_still_ends(tmp_path: object) -> None:
     """A conftest.py's pytest_unconfigure rewrote the report declaring shift_jis: expat's
-    ValueError escaped run_sync, and the trail ended at sandbox_stop with no run_end."""
+    ValueError escaped run_sync, and the trail ended at sandbox_stop with no run_end. The
+    plain output stands, and pytest's exit code 0 without a report it could read is no pass."""
     ws = MemoryWorkspace()
 
     def run(op: RunCommand) -> CommandResult:
@@ -198,11 +200,16 @@ def test_a_report_the_code_wrote_in_shift_jis_is_the_checks_plain_output(tmp_pat
 
     ws.commands = run
     log = AuditLog(MemoryStore(), flush_interval_s=None)
-    with build_agent(audited(tmp_path, FakeBackend(ws, tier="process"), log)) as agent:
+    config = replace(
+        audited(tmp_path, FakeBackend(ws, tier="process"), log), limits=RunLimits(max_check_failures=1)
+    )
+    with build_agent(config) as agent:
         result = agent.run_sync("make the tests pass")
-    assert result.status == RunStatus.SUCCESS and result.check is not None
-    assert result.check.summary == "exit code 0"  # the plain output's, not a report's
-    assert run_ends(log) == ["success"]
+    assert result.status == RunStatus.CHECK_FAILED and result.check is not None
+    assert result.check.summary == (  # the plain output's, not a report's
+        "exit code 0; not a pass: pytest was asked for a JUnit report and left none readable (at most 8 MiB)"
+    )
+    assert run_ends(log) == ["check_failed"]
 
 
 def test_whatever_the_check_raises_ends_the_run_as_an_error_with_its_end_recorded(

@@ -163,6 +163,26 @@ async def test_run_tests_reads_pytests_junit_report() -> None:
     assert "FAILED test_m::test_bad\ndef test_bad():" in text
 
 
+def test_a_report_is_read_as_the_tree_was() -> None:
+    """Read a case at a time now: the text before a failure's first child, else its message;
+    the first failure of a case, and the failure before an error."""
+    from stockade.tools.testreport import TestFailure, parse_junit_xml
+
+    parsed = parse_junit_xml(
+        b'<testsuites><testsuite><testcase classname="m" name="a"><error message="only">\n</error></testcase>'
+        b'<testcase name="b"><error message="e"/><failure message="f">text<x>child</x>tail</failure>'
+        b"<failure>second</failure></testcase>"
+        b'<testcase name="c"><system-out><failure>not a direct child</failure></system-out></testcase>'
+        b"</testsuite></testsuites>"
+    )
+    assert parsed is not None
+    assert (parsed.passed, parsed.failed, parsed.errored) == (["c"], ["b"], ["m::a"])
+    assert parsed.failures == [
+        TestFailure(test_id="m::a", kind="error", message="only"),
+        TestFailure(test_id="b", kind="failed", message="text"),
+    ]
+
+
 async def test_run_tests_reads_no_report_that_code_wrote_ahead_under_its_name() -> None:
     """The report's name is known (the step and the call): code wrote one saying every test
     passed before a runner that writes none ran."""
@@ -178,7 +198,8 @@ async def test_run_tests_reads_no_report_that_code_wrote_ahead_under_its_name() 
 @pytest.mark.parametrize("encoding", ["shift_jis", "cp932", "utf-7", "hex", "rot13", "no-such-codec"])
 async def test_a_report_in_an_encoding_expat_refuses_is_no_report(encoding: str) -> None:
     """Code in the sandbox writes the report (a conftest.py's hook): one declaring a multi-byte
-    encoding raised ValueError out of the tool, an unknown or binary codec LookupError."""
+    encoding raised ValueError out of the tool, an unknown or binary codec LookupError. The
+    plain output stands, and pytest's exit code 0 without a readable report is no pass."""
     ws = MemoryWorkspace()
     head = f'<?xml version="1.0" encoding="{encoding}"?>'.encode()
 
@@ -188,7 +209,8 @@ async def test_a_report_in_an_encoding_expat_refuses_is_no_report(encoding: str)
 
     ws.commands = run
     report = await call(run_tests, make_sandbox(ws), {"command": "python3 -m pytest -q"})
-    assert report.runner == "plain" and report.ok and report.output == "1 passed"  # type: ignore[attr-defined]
+    assert report.runner == "plain" and report.output == "1 passed"  # type: ignore[attr-defined]
+    assert not report.ok  # type: ignore[attr-defined]
     assert ".stockade/reports/junit-1-c1.xml" not in ws.files
 
 
@@ -270,6 +292,73 @@ async def test_run_tests_counts_what_a_quiet_unittest_does_not_name(command: str
     assert report.runner == "unittest"  # type: ignore[attr-defined]
     assert report.failed == ("test_m.T::test_b",) and report.passed_count == 2  # type: ignore[attr-defined]
     assert "unittest: 2 passed, 1 failed, 0 errors, 1 skipped (exit code 1)" in render(report)
+
+
+def reports(output: str, *, exit_code: int = 0, report: bytes | None = None) -> MemoryWorkspace:
+    """A workspace whose commands print ``output`` and leave ``report`` as the JUnit report."""
+    ws = MemoryWorkspace()
+
+    def run(op: RunCommand) -> CommandResult:
+        if report is not None:
+            ws.files[".stockade/reports/junit-1-c1.xml"] = report
+        return CommandResult(exit_code=exit_code, stdout="", stderr=output, duration_s=0.1)
+
+    ws.commands = run
+    return ws
+
+
+async def test_failures_in_the_report_are_no_pass_whatever_the_exit_code() -> None:
+    """A conftest.py set session.exitstatus = 0: "0 passed, 2 failed (exit code 0)" was ok."""
+    report = await call(
+        run_tests, make_sandbox(reports("", report=JUNIT)), {"command": "python3 -m pytest -q"}
+    )
+    assert report.failed == ("test_m::test_bad",) and report.exit_code == 0  # type: ignore[attr-defined]
+    assert not report.ok and reported_failure(report)  # type: ignore[attr-defined]
+
+
+async def test_a_pytest_run_that_wrote_no_report_is_no_pass() -> None:
+    """A test called os._exit(0) after another failed: pytest printed ".F", wrote no report,
+    and its exit code 0 was a pass."""
+    report = await call(run_tests, make_sandbox(reports(".F")), {"command": "python3 -m pytest -q"})
+    assert report.runner == "plain" and not report.ok  # type: ignore[attr-defined]
+    assert render(report) == (
+        "$ python3 -m pytest -q\nexit code 0; not a pass: pytest was asked for a JUnit report"
+        " and left none readable (at most 8 MiB)\n.F"
+    )
+
+
+async def test_a_runner_that_is_not_pytest_needs_no_report() -> None:
+    report = await call(run_tests, make_sandbox(reports("all good")), {"command": "make check"})
+    assert report.ok and render(report) == "$ make check\nexit code 0\nall good"  # type: ignore[attr-defined]
+
+
+FAKE_SUMMARY = "\n" + "-" * 70 + "\nRan 500 tests in 0.1s\n\nOK\n"
+
+
+async def test_a_verbose_unittest_counts_its_lines_not_a_summary_a_test_printed() -> None:
+    """A test printed "Ran 500 tests ... OK" and called os._exit(0) after another failed:
+    "499 passed, 1 failed" was ok, of 2 tests of which none passed."""
+    output = (
+        "test_fails (test_u.T.test_fails) ... FAIL\ntest_prints (test_u.T.test_prints) ... " + FAKE_SUMMARY
+    )
+    report = await call(run_tests, make_sandbox(reports(output)), {"command": "python3 -m unittest -v"})
+    assert report.failed == ("test_u.T::test_fails",) and report.passed_count == 0  # type: ignore[attr-defined]
+    assert not report.ok  # type: ignore[attr-defined]
+    assert "unittest: 0 passed, 1 failed, 0 errors, 0 skipped (exit code 0)" in render(report)
+
+
+async def test_a_quiet_unittest_whose_progress_shows_a_failure_is_no_pass_on_an_ok_summary() -> None:
+    report = await call(
+        run_tests, make_sandbox(reports("F" + FAKE_SUMMARY)), {"command": "python3 -m unittest"}
+    )
+    assert not report.ok  # type: ignore[attr-defined]
+    assert "exit code 0; not a pass: the progress line shows 1 failed or errored" in render(report)
+
+
+async def test_a_quiet_unittest_that_passed_is_a_pass() -> None:
+    output = "....\n" + "-" * 70 + "\nRan 4 tests in 0.001s\n\nOK\n"
+    report = await call(run_tests, make_sandbox(reports(output)), {"command": "python3 -m unittest"})
+    assert report.ok  # type: ignore[attr-defined]
 
 
 async def test_other_runners_report_their_plain_output() -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -24,7 +25,13 @@ from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import ToolContext, read_file, run_tests
 from stockade.tools.builtin import MAX_SHOWN_BYTES, READ_CHUNK
 from stockade.tools.patch import MAX_PATCH_BYTES, apply_patch_to_sandbox
-from stockade.tools.testreport import MAX_REPORT_BYTES, TestReport
+from stockade.tools.testreport import (
+    MAX_FAILURES_SHOWN,
+    MAX_NAMED_PASSES,
+    MAX_REPORT_BYTES,
+    TestReport,
+    parse_junit_xml,
+)
 from stockade.types import CommandResult
 
 LINES = 10_000_000  # of b"ab\n": 30 MB
@@ -158,6 +165,50 @@ async def test_run_tests_reads_no_more_of_a_report_than_it_parses() -> None:
     sbx = Sandbox.create(backend=FakeBackend(handler))
     ctx = ToolContext(sandbox=sbx, step=1, call_id="c1")
     out = await run_tests.invoke(ctx, run_tests.validate({"command": "pytest"}))
-    assert isinstance(out, TestReport) and out.runner == "plain" and out.output == "ok"
+    assert isinstance(out, TestReport) and out.runner == "plain" and out.output == "ok" and not out.ok
     assert len(report) > MAX_REPORT_BYTES + 1 and reads_of_report
     assert sum(size for _, size in reads_of_report) <= MAX_REPORT_BYTES + 1
+
+
+def junit_report(case: bytes) -> bytes:
+    """A report of as many copies of ``case`` (``%d`` numbers them) as fit under the cap."""
+    cases = [b"<testsuite>"]
+    size, number = len(cases[0]) + len(b"</testsuite>"), 0
+    while size + len(case) + 10 < MAX_REPORT_BYTES:
+        cases.append(case % number)
+        size += len(cases[-1])
+        number += 1
+    return b"".join([*cases, b"</testsuite>"])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [b'<testcase name="a%d"/>', b'<testcase name="t%d"><failure message="m">boom</failure></testcase>'],
+)
+def test_a_report_just_under_the_cap_costs_the_host_its_counts_not_a_tree(case: bytes) -> None:
+    """Parsed as a tree, 327,000 passing cases just under the 8 MiB cap took 128 MiB of the
+    host, 147,000 failing ones 114 MiB and a 2.4 MiB observation."""
+    report = junit_report(case)
+    tracemalloc.start()
+    try:
+        parsed = parse_junit_xml(report)
+        assert parsed is not None
+        shown = TestReport(
+            command="pytest",
+            runner="pytest",
+            exit_code=1,
+            passed=tuple(parsed.passed),
+            passed_unnamed=parsed.passed_unnamed,
+            failed=tuple(parsed.failed),
+            failures=tuple(parsed.failures),
+        ).observation()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 * 2**20, f"{peak / 2**20:.0f} MiB"
+    assert len(shown) < 16_000
+    cases = report.count(b"<testcase ")
+    assert len(parsed.passed) + parsed.passed_unnamed + len(parsed.failed) == cases
+    assert len(parsed.passed) <= MAX_NAMED_PASSES and len(parsed.failures) <= MAX_FAILURES_SHOWN
+    if parsed.failed:
+        assert f"({cases - MAX_FAILURES_SHOWN} more failed or errored tests not shown)" in shown
