@@ -36,7 +36,7 @@ from stockade import exceptions as exc
 from stockade._checks import MAX_TIMEOUT_S, check_number
 from stockade.sandbox import _registry
 from stockade.sandbox._approver import Approver
-from stockade.sandbox._startup import from_snapshot, sandbox_spec, store_of
+from stockade.sandbox._startup import choose_tier, from_snapshot, sandbox_spec, store_of
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, Reset, RunCode
@@ -105,7 +105,7 @@ class _Lease(WrapperInstance):
 class SandboxPool:
     def __init__(
         self,
-        tier: str = "process",
+        tier: str | None = None,
         *,
         size: int = 2,
         max_uses: int = 100,
@@ -120,7 +120,10 @@ class SandboxPool:
         rules: SandboxRules | None = None,
         approver: Approver | None = None,
     ) -> None:
-        """``rules`` and ``approver`` as ``Sandbox.create`` takes them: every member is under
+        """``tier`` as ``Sandbox.create`` takes it: ``"process"`` by default, or the snapshot's
+        tier with ``snapshot=`` (a tier given is the members' tier even then: a files snapshot
+        taken on a weaker tier never fills a pool asked for a stronger one with weaker members).
+        ``rules`` and ``approver`` as ``Sandbox.create`` takes them: every member is under
         the rules, and a reset keeps them (what one user's code ran or had approved is dropped
         with the rest of its state)."""
         # typed refusals, not a TypeError here or a NaN that killed the pool's thread later
@@ -136,8 +139,8 @@ class SandboxPool:
         self._source = (store_of(snapshot, store), snapshot) if snapshot is not None else None
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
-            tier, self._spec = from_snapshot(snapshot, store, None, self._spec, given)
-        self._backend = backend or _registry.backend(tier)
+            tier, self._spec = from_snapshot(snapshot, store, tier, self._spec, given)
+        self._backend = backend or _registry.backend(choose_tier(tier, None))
         self._ready: queue.Queue[_Member] = queue.Queue()
         # Wakes the worker: a member was taken or replaced (the pool may be short), or closing.
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
