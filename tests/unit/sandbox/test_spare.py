@@ -7,7 +7,7 @@ import threading
 
 from stockade.sandbox import SandboxSpec, SpareBackend
 from stockade.testing import FakeBackend, FakeInstance
-from stockade.types import Limits
+from stockade.types import Credential, Limits, NetworkPolicy
 from tests.conftest import in_forked_child
 
 
@@ -46,6 +46,25 @@ def test_a_spec_for_one_particular_sandbox_bypasses_the_spare() -> None:
     spare = SpareBackend(below)
     spare.start(SandboxSpec(sandbox_id="sbx-given"))
     assert not spare.wait_ready(5) and len(below.instances) == 1
+
+
+def test_a_spec_with_egress_credentials_bypasses_the_spare() -> None:
+    """The proxy reads the secret when the sandbox starts: a spare started before the secret
+    rotated would be handed over holding the old one."""
+
+    class Source:
+        def read(self) -> str:
+            return "TOKEN"
+
+    api = Credential(name="api", hosts=("example.com",), source=Source())
+    network = NetworkPolicy(allow_hosts=("example.com",), credentials=(api,))
+    below = FakeBackend()
+    spare = SpareBackend(below)
+    spare.start(SandboxSpec(network=network))
+    assert not spare.wait_ready(5) and len(below.instances) == 1  # no spare started for it
+    spare.start(SandboxSpec(network=network))
+    assert len(below.instances) == 2  # a cold start each time
+    spare.close()
 
 
 def test_closing_or_dropping_the_backend_closes_the_spare_and_starts_none() -> None:
