@@ -192,20 +192,20 @@ class SandboxPool:
                 ready=self._ready.qsize(), in_use=self._in_use, **self._counts, last_replaced_why=self._why
             )
 
-    def close(self) -> None:
-        """Close every member. Sandboxes still acquired are closed when they come back. In a
-        forked child, nothing: the members are the parent's."""
+    def close(self, wait_s: float = 30.0) -> None:
+        """Close every member. Sandboxes still acquired are closed when they come back. A
+        member still starting is waited for up to ``wait_s``, then closed by the pool's thread
+        when its start ends (a start that outlived the wait was left running in the closed
+        pool). In a forked child, nothing: the members are the parent's."""
+        check_number(wait_s, argument="wait_s", integer=False, low=0, high=MAX_TIMEOUT_S, unit="s")
         if self._owner != os.getpid():
             return
-        self._closed.set()
+        with self._lock:  # after this, no refill puts a member in the queue: it closes it
+            self._closed.set()
         self._wake.put(None)
-        self._worker.join(timeout=30)
+        self._worker.join(timeout=wait_s)
         self._recyclers.shutdown(wait=True)
-        while True:
-            try:
-                self._ready.get_nowait().instance.close()
-            except queue.Empty:
-                break
+        self._close_ready()
 
     def __enter__(self) -> SandboxPool:
         return self
@@ -214,6 +214,13 @@ class SandboxPool:
         self.close()
 
     # -- internals ----------------------------------------------------------------------
+
+    def _close_ready(self) -> None:
+        while True:
+            try:
+                self._ready.get_nowait().instance.close()
+            except queue.Empty:
+                break
 
     def _take(self, timeout_s: float) -> _Member:
         deadline = time.monotonic() + timeout_s
@@ -333,8 +340,13 @@ class SandboxPool:
             self._count("started")
             with self._lock:
                 self._pending -= 1
-                self._ready.put(_Member(instance, idle_since=time.monotonic()))
-                self._available.notify()
+                late = self._closed.is_set()  # the pool closed while it started: nobody takes it
+                if not late:
+                    self._ready.put(_Member(instance, idle_since=time.monotonic()))
+                    self._available.notify()
+            if late:
+                instance.close()
+                return
 
     def _recycle(self, member: _Member) -> None:
         # Counted as pending until it is back in the queue or closed: were it neither in use
