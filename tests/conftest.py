@@ -10,8 +10,11 @@ from __future__ import annotations
 import ast
 import fcntl
 import functools
+import json
 import os
+import select
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Collection, Generator, Iterator
@@ -515,6 +518,33 @@ def wait_for(
         if time.monotonic() >= deadline:
             pytest.fail(f"waited {timeout_s:g} s for {what() if callable(what) else what}")
         time.sleep(interval_s)
+
+
+def in_forked_child(body: Callable[[], object], *, timeout_s: float = 20.0) -> object:
+    """What ``body`` returns (JSON) in a forked child (what it raised: ``{"raised": repr}``);
+    the test fails if the child hangs."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's
+        try:
+            os.close(read)
+            try:
+                result = body()
+            except BaseException as error:
+                result = {"raised": repr(error)}
+            os.write(write, json.dumps(result).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout_s)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the forked child still ran after {timeout_s:g} s: it hung")
+        return json.loads(os.read(read, 65536))
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
 
 
 async def wait_for_async(

@@ -246,6 +246,20 @@ def test_a_pool_filled_from_a_snapshot_hands_out_its_files(store: SnapshotStore)
                 member.files.write("prepared.txt", "dirty")
 
 
+def test_a_pool_filled_from_a_snapshot_runs_on_the_tier_it_was_asked_for(store: SnapshotStore) -> None:
+    """As Sandbox.create does: a files snapshot taken on the process tier filled a pool asked
+    for Docker with process members, running code under a weaker boundary than asked."""
+    require_tier("process")
+    require_tier("docker")
+    with Sandbox.create("process", limits=LIMITS) as sbx:
+        sbx.files.write("prepared.txt", "ready")
+        snap = sbx.snapshot(store=store)
+    with SandboxPool("docker", size=1, snapshot=snap, store=store) as pool, pool.acquire() as member:
+        assert member.tier == "docker" and member.files.read("prepared.txt") == "ready"
+    with SandboxPool(size=1, snapshot=snap, store=store) as pool, pool.acquire() as member:
+        assert member.tier == "process"  # none given: the snapshot's
+
+
 def test_a_sparse_file_past_the_store_is_refused_before_it_reaches_the_hosts_disk(tmp_path: Path) -> None:
     # 2 GiB of holes inside (a few KiB of the sandbox's memory) were written out whole to
     # the host's disk at each snapshot, then refused as over the store's limit, and left there.

@@ -8,9 +8,11 @@ held once the slot is closed, and nothing is ever discarded twice.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Slot"]
 
@@ -27,6 +29,16 @@ class Slot(Generic[T]):
         self._idle = threading.Event()  # set while nothing is being made
         self._idle.set()
         self.closed = False
+        _slots.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: closed and idle, holding nothing, with a lock of its own (the
+        parent's may have been copied held)."""
+        self._lock = threading.Lock()
+        self._held = None  # the parent's to take or discard
+        self._idle = threading.Event()
+        self._idle.set()
+        self.closed = True
 
     def take(self) -> T | None:
         """The held thing, now the caller's; None if none."""
@@ -88,3 +100,15 @@ class Slot(Generic[T]):
         with self._lock:
             self.closed = True
         self.drop()
+
+
+# Every slot of the process, for the after-fork hook; weakly, so that a slot dies with its owner.
+_slots: weakref.WeakSet[Slot[Any]] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for slot in list(_slots):
+        slot._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

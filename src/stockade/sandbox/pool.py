@@ -36,7 +36,7 @@ from stockade import exceptions as exc
 from stockade._checks import MAX_TIMEOUT_S, check_number
 from stockade.sandbox import _registry
 from stockade.sandbox._approver import Approver
-from stockade.sandbox._startup import from_snapshot, sandbox_spec, store_of
+from stockade.sandbox._startup import choose_tier, from_snapshot, sandbox_spec, store_of
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, Reset, RunCode
@@ -105,7 +105,7 @@ class _Lease(WrapperInstance):
 class SandboxPool:
     def __init__(
         self,
-        tier: str = "process",
+        tier: str | None = None,
         *,
         size: int = 2,
         max_uses: int = 100,
@@ -120,7 +120,10 @@ class SandboxPool:
         rules: SandboxRules | None = None,
         approver: Approver | None = None,
     ) -> None:
-        """``rules`` and ``approver`` as ``Sandbox.create`` takes them: every member is under
+        """``tier`` as ``Sandbox.create`` takes it: ``"process"`` by default, or the snapshot's
+        tier with ``snapshot=`` (a tier given is the members' tier even then: a files snapshot
+        taken on a weaker tier never fills a pool asked for a stronger one with weaker members).
+        ``rules`` and ``approver`` as ``Sandbox.create`` takes them: every member is under
         the rules, and a reset keeps them (what one user's code ran or had approved is dropped
         with the rest of its state)."""
         # typed refusals, not a TypeError here or a NaN that killed the pool's thread later
@@ -136,8 +139,8 @@ class SandboxPool:
         self._source = (store_of(snapshot, store), snapshot) if snapshot is not None else None
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
-            tier, self._spec = from_snapshot(snapshot, store, None, self._spec, given)
-        self._backend = backend or _registry.backend(tier)
+            tier, self._spec = from_snapshot(snapshot, store, tier, self._spec, given)
+        self._backend = backend or _registry.backend(choose_tier(tier, None))
         self._ready: queue.Queue[_Member] = queue.Queue()
         # Wakes the worker: a member was taken or replaced (the pool may be short), or closing.
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -189,20 +192,20 @@ class SandboxPool:
                 ready=self._ready.qsize(), in_use=self._in_use, **self._counts, last_replaced_why=self._why
             )
 
-    def close(self) -> None:
-        """Close every member. Sandboxes still acquired are closed when they come back. In a
-        forked child, nothing: the members are the parent's."""
+    def close(self, wait_s: float = 30.0) -> None:
+        """Close every member. Sandboxes still acquired are closed when they come back. A
+        member still starting is waited for up to ``wait_s``, then closed by the pool's thread
+        when its start ends (a start that outlived the wait was left running in the closed
+        pool). In a forked child, nothing: the members are the parent's."""
+        check_number(wait_s, argument="wait_s", integer=False, low=0, high=MAX_TIMEOUT_S, unit="s")
         if self._owner != os.getpid():
             return
-        self._closed.set()
+        with self._lock:  # after this, no refill puts a member in the queue: it closes it
+            self._closed.set()
         self._wake.put(None)
-        self._worker.join(timeout=30)
+        self._worker.join(timeout=wait_s)
         self._recyclers.shutdown(wait=True)
-        while True:
-            try:
-                self._ready.get_nowait().instance.close()
-            except queue.Empty:
-                break
+        self._close_ready()
 
     def __enter__(self) -> SandboxPool:
         return self
@@ -211,6 +214,13 @@ class SandboxPool:
         self.close()
 
     # -- internals ----------------------------------------------------------------------
+
+    def _close_ready(self) -> None:
+        while True:
+            try:
+                self._ready.get_nowait().instance.close()
+            except queue.Empty:
+                break
 
     def _take(self, timeout_s: float) -> _Member:
         deadline = time.monotonic() + timeout_s
@@ -330,8 +340,13 @@ class SandboxPool:
             self._count("started")
             with self._lock:
                 self._pending -= 1
-                self._ready.put(_Member(instance, idle_since=time.monotonic()))
-                self._available.notify()
+                late = self._closed.is_set()  # the pool closed while it started: nobody takes it
+                if not late:
+                    self._ready.put(_Member(instance, idle_since=time.monotonic()))
+                    self._available.notify()
+            if late:
+                instance.close()
+                return
 
     def _recycle(self, member: _Member) -> None:
         # Counted as pending until it is back in the queue or closed: were it neither in use

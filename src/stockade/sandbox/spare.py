@@ -15,7 +15,9 @@ What it trades: one idle sandbox per backend (~8 MB with its interpreter, ~4 MB 
 uid, three tmpfs mounts) while nobody asks, and the CPU to start it in the background. A
 ``start`` that comes before the spare is ready, or with another spec, is an ordinary cold
 start: creating back to back is no faster, only a create after a pause is. Specs naming a
-snapshot or a sandbox id are never served from a spare (they describe one sandbox).
+snapshot or a sandbox id are never served from a spare (they describe one sandbox), nor
+specs with egress credentials: a spare's proxy read the secret when the spare started, and a
+secret rotated meanwhile would reach the create that took it as the old one.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class SpareBackend(Backend):
         return self.wrapped.unwalled_network()
 
     def start(self, spec: SandboxSpec) -> Instance:
-        if spec.snapshot is not None or spec.sandbox_id is not None:
+        if spec.snapshot is not None or spec.sandbox_id is not None or spec.network.credentials:
             return self.wrapped.start(spec)
         held = self._spare.take()
         instance: Instance | None = None

@@ -11,7 +11,7 @@ from stockade import InvalidArgument, ResourceContention, SandboxCrashed, Sandbo
 from stockade.sandbox.base import Instance, SandboxSpec, WrapperBackend, WrapperInstance
 from stockade.sandbox.ops import RunCode
 from stockade.sandbox.pool import SandboxPool
-from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.testing import FakeBackend, FakeInstance, MemoryWorkspace
 from stockade.types import Execution
 from tests.conftest import wait_for
 
@@ -44,6 +44,26 @@ def test_a_sandbox_acquired_when_the_pool_closes_is_closed_when_it_comes_back() 
         pool.close()
         assert sbx.alive
     assert not sbx.alive and pool.stats().in_use == 0
+
+
+def test_a_member_still_starting_when_close_returns_is_closed_when_its_start_ends() -> None:
+    """A start longer than close's wait (33 s against 30 s) left its member running in the
+    closed pool's queue, which nobody would ever take or close."""
+    starting, go = threading.Event(), threading.Event()
+
+    class Slow(FakeBackend):
+        def start(self, spec: SandboxSpec) -> FakeInstance:
+            starting.set()
+            go.wait(10)
+            return super().start(spec)
+
+    backend = Slow()
+    pool = SandboxPool(backend=backend, size=1)
+    assert starting.wait(5)
+    pool.close(wait_s=0.01)  # returns with the start under way
+    go.set()
+    wait_for(lambda: backend.instances and backend.instances[0].closed, what="the late member to be closed")
+    assert pool.stats().ready == 0
 
 
 def test_a_member_whose_user_left_a_call_running_is_replaced_not_reset() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from stockade.sandbox._slot import Slot
+from tests.conftest import in_forked_child
 
 
 def _slot() -> tuple[Slot[str], list[str]]:
@@ -83,3 +84,21 @@ def test_wait_returns_when_the_making_ends() -> None:
     slot.close()  # a close while one is being made: its put is refused
     assert slot.begin() is False
     assert discarded == ["a"]
+
+
+def test_a_forked_childs_copy_is_closed_and_idle_and_leaves_the_parents_alone() -> None:
+    """The child's close and wait hung for ever on a thing the parent was making when it
+    forked: no thread of the child ever ends it. What the parent holds is the parent's."""
+    slot, discarded = _slot()
+    assert slot.put("held")
+    making, _ = _slot()
+    assert making.begin()  # a thread of the parent is making one
+
+    def child() -> object:
+        making.close()
+        slot.close()
+        return [making.wait(), making.filling, making.begin(), slot.take(), discarded]
+
+    assert in_forked_child(child) == [False, False, False, None, []]
+    assert slot.take() == "held" and making.filling  # the parent's, as they were
+    assert making.put("made") and making.take() == "made"
