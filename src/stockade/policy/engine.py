@@ -368,7 +368,8 @@ class PolicyEngine:
         shown = f"{provider}:{name}" if provider else name
         return Decision(
             verdict=Verdict.DENY, rule="models.approved",
-            reason=f"model {shown!r} is not in the policy's registry of approved models",
+            reason=f"model {shown!r} is not in the policy's registry of approved models "
+            "(to allow it, add a glob that matches it to [models] approved)",
         )  # fmt: skip
 
     def prompt(self, text: str, source: Literal["task", "tool_output"]) -> PromptDecision:
