@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -346,7 +347,9 @@ def test_a_store_that_cannot_be_made_is_a_store_error_and_verify_says_so(tmp_pat
         check=False,
     )
     assert child.stdout.split() == ["AuditStoreError", "True"], child.stderr
-    with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True) as db:  # all its tables, or none
+    with contextlib.closing(
+        sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    ) as db:  # all its tables, or none
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert tables in (set(), {"audit_events", "audit_head", "audit_run_keys"})
     result = runner.invoke(app, ["audit", "verify", "--db", f"sqlite:///{path}"])
