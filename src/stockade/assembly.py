@@ -600,8 +600,9 @@ class GuardedAgent:
             raise
 
     def run_setup(self) -> RunSetup:
-        """What a run of this agent runs under (its policy with the trust merged in, its role and
-        tier), kept with the run so that ``stockade replay`` runs it again under the same."""
+        """What a run of this agent runs under (its policy with the trust merged in, its role,
+        tier, budgets and acceptance check), kept with the run so that ``stockade replay`` runs
+        it again under the same."""
         return RunSetup(
             policy=self.policy,
             role=self.config.role,
@@ -609,6 +610,8 @@ class GuardedAgent:
             policy_file=None if self._policy_file is None else str(self._policy_file),
             policy_digest=self._policy_digest,
             limits=self.config.limits,
+            check=self.config.check,
+            check_timeout_s=self.config.check_timeout_s,
         )
 
     def own_records(self) -> tuple[Path, ...]:
