@@ -24,7 +24,7 @@ from rich.table import Table
 
 from stockade import exceptions as exc
 from stockade._config_file import audit_key
-from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
+from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, escape, print_diff, print_json
 from stockade.cli._numbers import checked
 from stockade.cli._signals import Interrupted, closed_whole, interruptible
@@ -289,6 +289,24 @@ def _print_execs(judged_all: list[dict[str, object]]) -> None:
         out.print(f"      [dim]… {hidden} more execs it let run (--json lists them)[/]")
 
 
+def _print_checks(state: RunState, execs: Execs) -> None:
+    """The execs no tool call ran, the acceptance check's runs, and the execs its command ran."""
+    from stockade.audit.sandbox import CHECK_CALL
+
+    if execs.get(""):  # judged while no call ran (before the first command or run_code)
+        out.print("\n[bold]execs outside any tool call[/]")
+        _print_execs(execs[""])
+    for check in state.checks:
+        verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
+        out.print(
+            f"\n[bold]check[/] after step {check.step}: {escape(check.command)} {verdict}  "
+            f"[dim]{escape(check.summary)}[/]"
+        )
+    if execs.get(CHECK_CALL):  # what the acceptance check's command ran, every time it ran
+        out.print("\n[bold]execs of the acceptance check[/]")
+        _print_execs(execs[CHECK_CALL])
+
+
 def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> None:
     s, state = trace.summary, trace.state
     colour = "green" if s.status == RunStatus.SUCCESS else "red"
@@ -313,15 +331,7 @@ def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> Non
             out.print(f"  [dim]{escape(_cut(step.response.text, limit))}[/]")
         for record in step.tool_calls:
             _print_call(trace, step.index, record, limit, execs or {})
-    if (execs or {}).get(""):  # judged while no call ran, before the first command or run_code
-        out.print("\n[bold]execs before any tool call[/]")
-        _print_execs((execs or {})[""])
-    for check in state.checks:
-        verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
-        out.print(
-            f"\n[bold]check[/] after step {check.step}: {escape(check.command)} {verdict}  "
-            f"[dim]{escape(check.summary)}[/]"
-        )
+    _print_checks(state, execs or {})
     for approval in trace.approvals:
         out.print(
             f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → "
