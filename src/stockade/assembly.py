@@ -69,8 +69,11 @@ from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
     ModelRequested,
+    ModelResponded,
     RunStarted,
     ToolCalled,
+    ToolDenied,
+    ToolRejected,
     ToolReturned,
 )
 from stockade.agent.events import Observer as AgentObserver
@@ -81,7 +84,7 @@ from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
 from stockade.audit.redact import MIN_SECRET_LENGTH, Redactor
 from stockade.audit.runtime_events import RuntimeAuditor
-from stockade.audit.sandbox import AuditedBackend, current_call, exec_word
+from stockade.audit.sandbox import CHECK_CALL, AuditedBackend, current_call, exec_word
 from stockade.audit.stores import SQLiteStore, open_store
 from stockade.exceptions import (
     ApprovalRequired,
@@ -383,7 +386,9 @@ class _AuditedApprovals(Approvals):
     def _record(self, request: ApprovalRequest, outcome: str, **more: object) -> None:
         decided = outcome not in ("pending", "withdrawn", "full")  # by a human, not asked or closed by us
         by = self._decider(request) if decided else ""
-        step, call = _call_at.get() or (0, None)
+        # a withdrawal closes the run's requests after its calls: none of them is the one that
+        # asked (its "pending" event names that one)
+        step, call = (_call_at.get() or (0, None)) if outcome != "withdrawn" else (0, None)
         attributes: dict[str, object] = {
             "request_id": request.id,
             "action": request.action,
@@ -600,8 +605,9 @@ class GuardedAgent:
             raise
 
     def run_setup(self) -> RunSetup:
-        """What a run of this agent runs under (its policy with the trust merged in, its role and
-        tier), kept with the run so that ``stockade replay`` runs it again under the same."""
+        """What a run of this agent runs under (its policy with the trust merged in, its role,
+        tier, budgets and acceptance check), kept with the run so that ``stockade replay`` runs
+        it again under the same."""
         return RunSetup(
             policy=self.policy,
             role=self.config.role,
@@ -609,6 +615,8 @@ class GuardedAgent:
             policy_file=None if self._policy_file is None else str(self._policy_file),
             policy_digest=self._policy_digest,
             limits=self.config.limits,
+            check=self.config.check,
+            check_timeout_s=self.config.check_timeout_s,
         )
 
     def own_records(self) -> tuple[Path, ...]:
@@ -854,8 +862,15 @@ class AgentSession:
     def _track_step(self, event: AgentEvent) -> None:
         if isinstance(event, ModelRequested | ToolCalled):
             self.step = event.step
-        elif isinstance(event, ToolReturned):
+        if isinstance(event, ToolReturned):
             _call_approved.set(False)  # the approval covered that call's ops, and no others
+        if isinstance(event, ModelRequested | ToolReturned | ToolDenied | ToolRejected):
+            # the call is over: what runs next in the sandbox is no call's (it was recorded
+            # under the last call's id: the acceptance check's execs, a later withdrawal)
+            current_call.set(None)
+            _call_at.set(None)
+        elif isinstance(event, ModelResponded) and not event.response.tool_calls and self.agent.check:
+            current_call.set(CHECK_CALL)  # a final answer: the acceptance check runs next
 
     @contextlib.contextmanager
     def open(self, workspace: str | Path | None) -> Iterator[AgentSession]:

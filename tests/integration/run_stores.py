@@ -28,6 +28,7 @@ TABLES = (
     "run_seeds",
     "setups",
     "run_limits",
+    "run_checks",
     "run_diffs",
     "leases",
     "calls_started",

@@ -398,3 +398,38 @@ def test_trust_sets_the_minimum_and_the_cheapest_tier_that_meets_it_is_used(tmp_
         assert agent.tier == "process" and "cheapest" in agent.tier_reason
         result = agent.run_sync("look")
     assert result.tier == "process" and result.ok
+
+
+def test_the_acceptance_checks_commands_are_recorded_as_the_checks(tmp_path: Path) -> None:
+    """What the check runs is no tool call's: its op_start events carried the id of the last
+    call the model made (the context variable outlived the call), and `runs show` listed them
+    under that call."""
+    require_tier("process")
+    from stockade.audit.sandbox import CHECK_CALL
+
+    workspace = tmp_path / "project"
+    workspace.mkdir()
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[trust]\nlevel = "trusted"\n')
+    db = tmp_path / "audit.db"
+    config = AgentConfig(
+        model=ScriptedModel([tool_call("run_tests", {"command": "echo model"}, id="t1"), "done"]),
+        policy=policy,
+        tier="process",
+        audit=f"sqlite:///{db}",
+        check="echo acceptance",
+        keep_sandbox=False,
+    )
+    with build_agent(config) as agent:
+        assert agent.run_sync("t", workspace=workspace, run_id="checked").status == RunStatus.SUCCESS
+    store = SQLiteStore(db)
+    started = {
+        str(e.attributes.get("argv")): e.attributes.get("call_id")
+        for e in store.events(run_id="checked")
+        if e.kind.value == "op_start"
+    }
+    store.close()
+    by_call = {call: [argv for argv, c in started.items() if c == call] for call in set(started.values())}
+    assert any("echo model" in argv for argv in by_call.get("t1", [])), started
+    assert any("echo acceptance" in argv for argv in by_call.get(CHECK_CALL, [])), started
+    assert not any("echo acceptance" in argv for argv in by_call.get("t1", [])), started

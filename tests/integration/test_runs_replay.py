@@ -222,3 +222,76 @@ def test_a_replay_takes_no_more_wall_time_than_the_run_could(tmp_path: Path) -> 
     result = runner.invoke(app, ["replay", "slow", "--db", f"sqlite:///{tmp_path / 'audit.db'}", "--json"])
     report = json.loads(result.stdout)
     assert "slept" not in json.dumps(report), report
+
+
+def checked_run(tmp_path: Path, *, run_id: str, passing: bool) -> tuple[str, Path]:
+    """A guarded run with an acceptance check that passes only where `ok.txt` is; one failure
+    ends the run. Returns the database and the run's workspace."""
+    workspace = project(tmp_path)
+    if passing:
+        (workspace / "ok.txt").write_text("ok\n")
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[trust]\nlevel = "trusted"\n')
+    db = f"sqlite:///{tmp_path / 'audit.db'}"
+    config = AgentConfig(
+        model=ScriptedModel([tool_call("read_file", {"path": "app.py"}), "done"]),
+        policy=policy,
+        tier="process",
+        audit=db,
+        check="test -f ok.txt",
+        check_timeout_s=20,
+        limits=RunLimits(max_check_failures=1),
+        keep_sandbox=False,
+    )
+    with build_agent(config) as agent:
+        agent.run_sync("make ok.txt", workspace=workspace, run_id=run_id)
+    return db, workspace
+
+
+def test_a_run_keeps_its_acceptance_check_for_its_replay(tmp_path: Path) -> None:
+    require_tier("process")
+    db, _ = checked_run(tmp_path, run_id="checked", passing=True)
+    with open_run_store(db) as store:
+        setup = store.setup("checked")
+    assert setup is not None and setup.check_kept
+    assert (setup.check, setup.check_timeout_s) == ("test -f ok.txt", 20)
+
+
+def test_a_run_that_failed_its_check_replays_as_failing_it(tmp_path: Path) -> None:
+    """The replay runs the run's acceptance check too. It left the check out, so a run that
+    ended check_failed replayed as "success", "every observation matches" (found from outside)."""
+    require_tier("process")
+    db, _ = checked_run(tmp_path, run_id="failed", passing=False)
+    result = runner.invoke(app, ["replay", "failed", "--db", db, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["recorded_status"], report["replayed_status"]) == ("check_failed", "check_failed")
+    assert report["compared"] == 2  # the read_file call and the check
+
+
+def test_a_check_whose_outcome_changes_is_a_difference_and_exits_one(tmp_path: Path) -> None:
+    require_tier("process")
+    db, _ = checked_run(tmp_path, run_id="passed", passing=True)
+    (tmp_path / "elsewhere").mkdir()
+    elsewhere = project(tmp_path / "elsewhere")  # the same app.py, no ok.txt: the check fails
+    result = runner.invoke(app, ["replay", "passed", "--db", db, "--workspace", str(elsewhere), "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    (difference,) = report["differences"]
+    assert (difference["tool"], difference["what"]) == ("check", "error")
+    assert report["status_differs"] and report["replayed_status"] == "check_failed"
+    text = runner.invoke(app, ["replay", "passed", "--db", db, "--workspace", str(elsewhere)])
+    assert text.exit_code == 1 and "every observation matches" not in text.output
+    assert "the run ended success, the replay check_failed" in text.output
+
+
+def test_a_run_kept_without_its_check_replays_the_one_its_record_shows(tmp_path: Path) -> None:
+    require_tier("process")
+    db, _ = checked_run(tmp_path, run_id="older", passing=False)
+    with sqlite3.connect(tmp_path / "audit.db") as con:  # as an older stockade kept it
+        con.execute("DELETE FROM runs_run_checks")
+    result = runner.invoke(app, ["replay", "older", "--db", db, "--json"])
+    assert result.exit_code == 0, result.output
+    assert "kept no acceptance check for run older" in result.stderr
+    assert "`test -f ok.txt`" in result.stderr
+    assert json.loads(result.stdout)["replayed_status"] == "check_failed"

@@ -60,10 +60,12 @@ from stockade.sandbox.ops import (
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_RECORDS, MAX_EXEC_REPORT
 from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs, Snapshot
 
-__all__ = ["AuditedBackend", "AuditedInstance", "current_actor", "current_call", "exec_word"]
+__all__ = ["CHECK_CALL", "AuditedBackend", "AuditedInstance", "current_actor", "current_call", "exec_word"]
 
 # The tool call whose work runs now (set by the agent): the execs its code starts name it.
 current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_call", default=None)
+# the ``call_id`` of what the run's acceptance check runs (no tool call of the model's)
+CHECK_CALL = "acceptance-check"
 # Who makes the call that runs now, where that is not who started the sandbox (the service:
 # any token of the sandbox's role may use it): its events name this actor, not the starter.
 current_actor: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_actor", default=None)

@@ -444,7 +444,14 @@ def _decide(run_id: str, request_id: str, approved: bool, by: str, directory: Pa
         ApprovalStore(directory).decide(
             run_id, request_id, Choice.APPROVED if approved else Choice.DENIED, by=by
         )
-    except exc.ConfigurationError as e:
+    except exc.ApprovalDecided as e:  # what it was given answers nothing: exit 2, with the fix
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        err.print("[cyan]fix:[/] `stockade approvals` lists the requests still waiting for a decision")
+        raise typer.Exit(2) from None
+    except exc.InvalidArgument as e:  # an unknown run or request (its message holds the fix)
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    except exc.ConfigurationError as e:  # the request's file is damaged: the message says to remove it
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(1) from None
     verb = "approved" if approved else "denied"
@@ -455,12 +462,15 @@ ByOpt = Annotated[str, typer.Option("--by", help="who decides, for the audit tra
 
 
 def approve(run_id: str, request_id: str, by: ByOpt = "cli", directory: ApprovalDirOpt = None) -> None:
-    """Approve an action a paused run is waiting for."""
+    """Approve an action a paused run is waiting for. Exit codes: 0 decided; 2 no such run or
+    request, or one that waits for no decision (decided already, or its yes spent); 1 its
+    request's file is damaged."""
     _decide(run_id, request_id, True, by, directory)
 
 
 def deny(run_id: str, request_id: str, by: ByOpt = "cli", directory: ApprovalDirOpt = None) -> None:
-    """Deny an action a paused run is waiting for (the model is told)."""
+    """Deny an action a paused run is waiting for (the model is told). Exit codes: 0 decided; 2
+    no such run or request, or one that waits for no decision; 1 its request's file is damaged."""
     _decide(run_id, request_id, False, by, directory)
 
 

@@ -17,14 +17,14 @@ import shutil
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from stockade import exceptions as exc
 from stockade._config_file import audit_key
-from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
+from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, escape, print_diff, print_json
 from stockade.cli._numbers import checked
 from stockade.cli._signals import Interrupted, closed_whole, interruptible
@@ -35,6 +35,9 @@ from stockade.runs.store import RetryEntry, RunSetup, RunStore, RunSummary, RunT
 from stockade.sandbox import _registry
 from stockade.tools.base import Toolset
 from stockade.types import Trust
+
+if TYPE_CHECKING:
+    from stockade.runs.replay import ReplayReport
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -286,6 +289,24 @@ def _print_execs(judged_all: list[dict[str, object]]) -> None:
         out.print(f"      [dim]… {hidden} more execs it let run (--json lists them)[/]")
 
 
+def _print_checks(state: RunState, execs: Execs) -> None:
+    """The execs no tool call ran, the acceptance check's runs, and the execs its command ran."""
+    from stockade.audit.sandbox import CHECK_CALL
+
+    if execs.get(""):  # judged while no call ran (before the first command or run_code)
+        out.print("\n[bold]execs outside any tool call[/]")
+        _print_execs(execs[""])
+    for check in state.checks:
+        verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
+        out.print(
+            f"\n[bold]check[/] after step {check.step}: {escape(check.command)} {verdict}  "
+            f"[dim]{escape(check.summary)}[/]"
+        )
+    if execs.get(CHECK_CALL):  # what the acceptance check's command ran, every time it ran
+        out.print("\n[bold]execs of the acceptance check[/]")
+        _print_execs(execs[CHECK_CALL])
+
+
 def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> None:
     s, state = trace.summary, trace.state
     colour = "green" if s.status == RunStatus.SUCCESS else "red"
@@ -310,15 +331,7 @@ def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> Non
             out.print(f"  [dim]{escape(_cut(step.response.text, limit))}[/]")
         for record in step.tool_calls:
             _print_call(trace, step.index, record, limit, execs or {})
-    if (execs or {}).get(""):  # judged while no call ran, before the first command or run_code
-        out.print("\n[bold]execs before any tool call[/]")
-        _print_execs((execs or {})[""])
-    for check in state.checks:
-        verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
-        out.print(
-            f"\n[bold]check[/] after step {check.step}: {escape(check.command)} {verdict}  "
-            f"[dim]{escape(check.summary)}[/]"
-        )
+    _print_checks(state, execs or {})
     for approval in trace.approvals:
         out.print(
             f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → "
@@ -436,10 +449,12 @@ def replay(
 ) -> None:
     """Run a recorded run again with its recorded model responses in a fresh sandbox, under the
     policy, role and tier the run had (kept by the run store), audited under a replay id of its
-    own; exit 1 when an observation differs from the recorded one (flaky tests, time-dependent
-    commands). An action that needs approval is asked on the terminal, and refused without one."""
+    own, its acceptance check run again; exit 1 when an observation (of a call or of the check)
+    differs from the recorded one (flaky tests, time-dependent commands), or the replay ends
+    otherwise than the run did. An action that needs approval is asked on the terminal, and
+    refused without one."""
     from stockade.assembly import build_agent
-    from stockade.runs.replay import policy_file_changed, replay_config
+    from stockade.runs.replay import check_unkept, policy_file_changed, replay_config
     from stockade.runs.replay import replay as replay_run
 
     audit = audit_db or db
@@ -462,10 +477,9 @@ def replay(
                     argument="--policy" if policy is not None else "--role",
                     fix="leave out --policy and --role (--trust can still tighten the run's trust)",
                 )
-            else:
-                changed = policy_file_changed(setup)
-                if changed is not None:
-                    err.print(f"[yellow]{escape(changed)}[/]")
+            for note in (policy_file_changed(setup), check_unkept(state, setup)):
+                if note is not None:
+                    err.print(f"[yellow]{escape(note)}[/]")
             if workspace is None:
                 seed = Path(scratch) / "seed"
                 if store.restore_seed(state.run_id, seed):
@@ -507,6 +521,7 @@ def replay(
                 "ok": report.ok,
                 "recorded_status": report.recorded_status.value,
                 "replayed_status": report.replayed_status.value,
+                "status_differs": report.status_differs,
                 "compared": report.compared,
                 "differences": [
                     {
@@ -522,20 +537,26 @@ def replay(
             },
         )
     else:
-        out.print(
-            f"replayed {report.compared} tool calls of run {escape(report.run_id)} as "
-            f"{escape(report.replay_id)} on the {report.tier} tier: "
-            f"recorded {report.recorded_status.value}, replayed {report.replayed_status.value}"
-        )
-        if report.ok:
-            out.print("[green]every observation matches the record[/]")
-        for d in report.differences:
-            out.print(
-                f"\n[red]step {d.step} {escape(d.tool)} ({escape(d.call_id)}): {escape(d.what)} differs[/]"
-            )
-            out.print(f"  [dim]recorded:[/] {escape(_cut(d.recorded, SHOWN_CHARS))}", highlight=False)
-            out.print(f"  [dim]replayed:[/] {escape(_cut(d.replayed, SHOWN_CHARS))}", highlight=False)
+        _print_replay(report)
     raise typer.Exit(0 if report.ok else 1)
+
+
+def _print_replay(report: ReplayReport) -> None:
+    out.print(
+        f"replayed {report.compared} tool calls of run {escape(report.run_id)} as "
+        f"{escape(report.replay_id)} on the {report.tier} tier: "
+        f"recorded {report.recorded_status.value}, replayed {report.replayed_status.value}"
+    )
+    if report.ok:
+        out.print("[green]every observation matches the record[/]")
+    if report.status_differs:
+        out.print(
+            f"[red]the run ended {report.recorded_status.value}, the replay {report.replayed_status.value}[/]"
+        )
+    for d in report.differences:
+        out.print(f"\n[red]step {d.step} {escape(d.tool)} ({escape(d.call_id)}): {escape(d.what)} differs[/]")
+        out.print(f"  [dim]recorded:[/] {escape(_cut(d.recorded, SHOWN_CHARS))}", highlight=False)
+        out.print(f"  [dim]replayed:[/] {escape(_cut(d.replayed, SHOWN_CHARS))}", highlight=False)
 
 
 def _ask_or_deny(request: ApprovalRequest) -> Choice:
@@ -566,7 +587,7 @@ def _unkept_setup(run_id: str, policy: Path | None, role: str | None, trust: Tru
         f"[yellow]the run store kept no policy for run {escape(run_id)} (recorded without one, or before "
         f"runs kept theirs): replaying under {escape(shown)}[/]"
     )
-    return RunSetup(policy=kept, role=role, tier=None)
+    return RunSetup(policy=kept, role=role, tier=None, check_kept=False)
 
 
 def load_tools(specs: list[str]) -> Toolset:

@@ -167,6 +167,14 @@ def not_pending(run_id: str, request_id: str, status: str) -> ApprovalDecided:
     )
 
 
+def _unknown(run_id: str, request_id: str, directory: Path) -> InvalidArgument:
+    return InvalidArgument(
+        f"no approval request {request_id!r} for run {run_id!r} in {str(directory)!r}",
+        argument="request_id",
+        fix="`stockade approvals` lists the requests waiting (with --dir, the folder the run asks in)",
+    )
+
+
 def default_approval_dir() -> Path:
     configured = os.environ.get("STOCKADE_APPROVAL_DIR")
     return Path(configured) if configured else Path.home() / ".stockade" / "approvals"
@@ -237,7 +245,11 @@ class ApprovalStore:
     def _file(self, run_id: str, request_id: str) -> Path:
         for part in (run_id, request_id):
             if not part or "/" in part or part.startswith("."):
-                raise ConfigurationError(f"invalid run or request id {part!r}")
+                raise InvalidArgument(
+                    f"invalid run or request id {part!r}",
+                    argument="run_id" if part is run_id else "request_id",
+                    fix="give the ids `stockade approvals` lists",
+                )
         return self.directory / run_id / f"{request_id}.json"
 
     def _write(self, file: Path, record: dict[str, str]) -> None:
@@ -292,11 +304,11 @@ class ApprovalStore:
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
         file = self._file(run_id, request_id)
         if not file.parent.is_dir():  # a mistyped run id leaves no folder behind
-            raise ConfigurationError(f"no approval request {request_id!r} for run {run_id!r}")
+            raise _unknown(run_id, request_id, self.directory)
         with self._locked(file):
             record = self._read(file)
             if record is None:
-                raise ConfigurationError(f"no approval request {request_id!r} for run {run_id!r}")
+                raise _unknown(run_id, request_id, self.directory)
             if record.get("status") != "pending":
                 raise not_pending(run_id, request_id, str(record.get("status")))
             record.update(status=choice.value, by=by)

@@ -62,6 +62,9 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         # the run's own budgets (``RunLimits``, as JSON): a replay runs under the same
         f"""CREATE TABLE IF NOT EXISTS {ns}_run_limits (
             run_id TEXT PRIMARY KEY, body TEXT NOT NULL, recorded_ns BIGINT NOT NULL, mac TEXT)""",
+        # the run's acceptance check and its timeout (as JSON; a null command: it had none)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_run_checks (
+            run_id TEXT PRIMARY KEY, body TEXT NOT NULL, recorded_ns BIGINT NOT NULL, mac TEXT)""",
         # the workspace diff at the run's end: what a reviewer reads, signed
         f"""CREATE TABLE IF NOT EXISTS {ns}_run_diffs (
             run_id TEXT PRIMARY KEY, diff TEXT NOT NULL, recorded_ns BIGINT NOT NULL, mac TEXT)""",
@@ -124,6 +127,8 @@ SIGNED: dict[str, tuple[tuple[str, ...], int]] = {
     # what a replay runs under: a policy loosened in the database would loosen the replay
     "setups": (("run_id", "policy", "role", "tier", "policy_file", "policy_digest", "recorded_ns"), 1),
     "run_limits": (("run_id", "body", "recorded_ns"), 1),
+    # a check edited away would make a failed run replay as a success
+    "run_checks": (("run_id", "body", "recorded_ns"), 1),
     # the diff `runs show`, the viewer and the API give: one edited hid a change from its reader
     "run_diffs": (("run_id", "diff", "recorded_ns"), 1),
     # what `runs show` says was approved or tried again: a denial edited into an approval, a
@@ -137,7 +142,7 @@ MAC_TABLES = tuple(SIGNED)
 # The tables holding rows of a run (``erase`` empties them of it); blobs and seeds are shared.
 RUN_TABLES = (
     "runs", "checkpoints", "messages", "steps", "tool_calls", "retries", "approvals", "run_seeds",
-    "setups", "run_limits", "run_diffs", "leases", "calls_started", "workspace", "subjects",
+    "setups", "run_limits", "run_checks", "run_diffs", "leases", "calls_started", "workspace", "subjects",
 )  # fmt: skip
 
 
@@ -162,6 +167,7 @@ def run_bytes_sql(ns: str, octets: Callable[[str], str]) -> tuple[str, int]:
         total("approvals", "action", "reason"),
         total("setups", "policy"),
         total("run_limits", "body"),
+        total("run_checks", "body"),
         total("run_diffs", "diff"),
         total("workspace", "path", "body"),
         f"(SELECT COALESCE(SUM(blob_bytes), 0) FROM {ns}_workspace WHERE run_id = ?)",

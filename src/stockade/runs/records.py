@@ -68,8 +68,9 @@ class ApprovalEntry:
 @dataclass(frozen=True, kw_only=True)
 class RunSetup:
     """What a run ran under, kept with it so that ``stockade replay`` runs it again under the
-    same: the policy (the caller's trust merged in), the role and the tier; and the policy file
-    it was read from with that file's SHA-256 then, so that a replay can say it changed since.
+    same: the policy (the caller's trust merged in), the role and the tier, its budgets and its
+    acceptance check; and the policy file it was read from with that file's SHA-256 then, so
+    that a replay can say it changed since.
     A policy holds no secret (a credential is named by its source), so it is kept unredacted:
     a redacted rule would be another rule."""
 
@@ -81,6 +82,12 @@ class RunSetup:
     # its budgets (steps, wall time, tokens, dollars...): a replay may take no more; None for
     # a run kept without them
     limits: RunLimits | None = None
+    # its acceptance check (``AgentConfig.check``) and that check's timeout: a replay runs it too
+    check: str | None = None
+    check_timeout_s: float | None = None
+    # False: a run kept without them (by a stockade that did not keep its check): whether it
+    # had one is not known (``replay.check_unkept`` says what a replay does then)
+    check_kept: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

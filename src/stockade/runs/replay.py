@@ -11,6 +11,11 @@ The model is a ``ScriptedModel`` playing the recorded responses in order, so eve
 is the one the original run made; only the observations can differ. A difference means the
 environment answered differently: a flaky test, a time-dependent command, a workspace that
 was not the same. Durations and memory addresses are masked before comparing (``normalise``).
+The run's acceptance check runs again too (kept with its setup) and each of its runs is
+compared as a call is (``Difference.tool`` "check"); and a replay that ends otherwise than the
+run did (success against check_failed, say) is not ``ok`` either, whatever its observations.
+A run kept without its check (by an older stockade) is replayed with the command its record
+shows it ran, under the sandbox's default timeout (``check_unkept`` says so).
 
 The recorded calls are the model's, so they are judged as the original's were: the replay is
 a guarded agent (``build_agent``) under the run's own policy and role (``RunSetup``, kept by
@@ -28,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stockade.agent.loop import RunLimits
-from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
+from stockade.agent.state import CheckRecord, RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.assembly import AgentConfig, GuardedAgent
 from stockade.audit.log import AuditLog
 from stockade.exceptions import TierUnavailable
@@ -46,6 +51,7 @@ from stockade.types import Trust
 __all__ = [
     "Difference",
     "ReplayReport",
+    "check_unkept",
     "nobody_approves",
     "normalise",
     "policy_file_changed",
@@ -69,7 +75,9 @@ def normalise(text: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Difference:
-    """One tool call whose outcome changed. ``what``: observation, error, missing or extra."""
+    """One tool call, or run of the acceptance check (``tool`` and ``call_id`` "check"), whose
+    outcome changed. ``what``: observation, error (for the check: passed or not, its exit
+    code), missing or extra."""
 
     step: int
     call_id: str
@@ -86,13 +94,24 @@ class ReplayReport:
     tier: str  # the tier it ran on
     recorded_status: RunStatus
     replayed_status: RunStatus
-    compared: int  # tool calls compared
+    compared: int  # tool calls and runs of the acceptance check compared
     differences: tuple[Difference, ...]
     replayed: RunState
 
     @property
+    def status_differs(self) -> bool:
+        """The replay ended otherwise than the run did. A run stopped from outside (killed,
+        interrupted) or waiting (paused, running) ended by no decision a replay can repeat."""
+        if self.recorded_status in _STOPPED_FROM_OUTSIDE or not self.recorded_status.finished:
+            return False
+        return self.recorded_status != self.replayed_status
+
+    @property
     def ok(self) -> bool:
-        return not self.differences
+        return not self.differences and not self.status_differs
+
+
+_STOPPED_FROM_OUTSIDE = frozenset({RunStatus.KILLED, RunStatus.INTERRUPTED})
 
 
 def _steps(state: RunState) -> list[StepRecord]:
@@ -139,6 +158,66 @@ def _compare(
         what=what,
         recorded=old.observation,
         replayed=new.observation,
+    )
+
+
+def _compare_check(
+    old: CheckRecord | None, new: CheckRecord | None, clean: Callable[[str], str]
+) -> Difference | None:
+    if old is None and new is None:
+        return None
+    present = old or new
+    assert present is not None
+    if old is None or new is None:
+        what = "extra" if old is None else "missing"
+    elif old.passed != new.passed or old.exit_code != new.exit_code or old.timed_out != new.timed_out:
+        what = "error"
+    elif clean(old.observation) != clean(new.observation):
+        what = "observation"
+    else:
+        return None
+    return Difference(
+        step=present.step,
+        call_id="check",
+        tool="check",
+        what=what,
+        recorded="" if old is None else old.observation,
+        replayed="" if new is None else new.observation,
+    )
+
+
+def _steps_of(state: RunState, limits: RunLimits) -> int:
+    """The replay's max_steps: those the run recorded, and the turn after them it asked its
+    model for (its model failing there ended the run "error": the replay's, out of recorded
+    responses, does too), unless steps were what ended it (or would have)."""
+    recorded = len(_steps(state))
+    if state.status is RunStatus.MAX_STEPS:
+        return max(1, recorded)
+    return max(1, min(limits.max_steps, recorded + 1))
+
+
+def _check_of(state: RunState, setup: RunSetup) -> tuple[str | None, float | None]:
+    """The acceptance check a replay runs: the run's, else (a run kept without it) the command
+    its record shows it ran."""
+    if setup.check_kept:
+        return setup.check, setup.check_timeout_s
+    return (state.checks[-1].command if state.checks else None), None
+
+
+def check_unkept(state: RunState, setup: RunSetup) -> str | None:
+    """In words, what a replay of a run kept without its acceptance check does about it
+    (``None``: the check was kept, and runs as the run had it)."""
+    if setup.check_kept:
+        return None
+    if state.checks:
+        return (
+            f"the run store kept no acceptance check for run {state.run_id} (recorded before runs kept "
+            f"theirs): the replay runs the one its record shows, `{state.checks[-1].command}`, under the "
+            "sandbox's default timeout"
+        )
+    return (
+        f"the run store kept no acceptance check for run {state.run_id} (recorded before runs kept "
+        "theirs) and its record shows none ran: the replay runs none"
     )
 
 
@@ -191,14 +270,15 @@ def replay_config(
     kill_target: str | None = None,
 ) -> AgentConfig:
     """The guarded agent that replays ``state`` under ``setup`` (``RunStore.setup``: the run's
-    policy, role and tier): its recorded responses as the model, the run's tier unless a
-    stronger one is asked (``tier``, or a ``backend`` of a tier), a weaker one refused
+    policy, role, tier, budgets and acceptance check): its recorded responses as the model, the
+    run's tier unless a stronger one is asked (``tier``, or a ``backend`` of a tier), a weaker one refused
     (``TierUnavailable``, as is one its trust does not allow). ``tools`` defaults to the
     built-in tools (with ``shell`` if the run used it); a run that used tools of its own needs
     them here. Nothing is recorded in a run store; the audit trail (``audit``) has the replay
     under its own run id."""
-    recorded = _steps(state)
     asked = _tier(setup, backend.tier if backend is not None else tier)
+    check, check_timeout_s = _check_of(state, setup)
+    limits = setup.limits or RunLimits()
     return AgentConfig(
         model=recorded_model(state),
         # the registry chose the model the run invoked; a replay invokes none, it plays its answers
@@ -209,9 +289,11 @@ def replay_config(
         backend=backend,
         tools=tools if tools is not None else _tools_for(state),
         system_prompt=state.system,
+        check=check,  # a run that failed its check must not replay as a success
+        check_timeout_s=check_timeout_s,
         # the run's own budgets where it kept them (a replay takes no more wall time, tokens or
-        # dollars than the run could), its steps those it recorded
-        limits=replace(setup.limits or RunLimits(), max_steps=max(1, len(recorded))),
+        # dollars than the run could), its steps those it recorded and the turn after them
+        limits=replace(limits, max_steps=_steps_of(state, limits)),
         audit=audit,
         audit_key=audit_key,
         approver=approver,
@@ -251,6 +333,16 @@ async def replay(
             difference = _compare(index + 1, old, new, clean)
             if difference is not None:
                 differences.append(difference)
+    old_checks, new_checks = state.checks, result.state.checks
+    for k in range(max(len(old_checks), len(new_checks))):
+        compared += 1
+        difference = _compare_check(
+            old_checks[k] if k < len(old_checks) else None,
+            new_checks[k] if k < len(new_checks) else None,
+            clean,
+        )
+        if difference is not None:
+            differences.append(difference)
     return ReplayReport(
         run_id=state.run_id,
         replay_id=replay_id,

@@ -419,8 +419,8 @@ class RunStore:
         return self._workspaces.restore_seed(run_id, dest)
 
     def record_setup(self, run_id: str, setup: RunSetup) -> None:
-        """Keep what the run ran under (its policy, role, tier, budgets); a resumed run keeps its
-        first."""
+        """Keep what the run ran under (its policy, role, tier, budgets, acceptance check); a
+        resumed run keeps its first."""
         _check_run_id(run_id)
         now = time.time_ns()
         row = (
@@ -439,6 +439,11 @@ class RunStore:
             writes.append(
                 (insert(self.ns, "run_limits", first), [self.mac.signed("run_limits", (run_id, body, now))])
             )
+        # kept even when it had none: a run kept without this row says nothing of its check
+        check = json.dumps({"command": setup.check, "timeout_s": setup.check_timeout_s}, sort_keys=True)
+        writes.append(
+            (insert(self.ns, "run_checks", first), [self.mac.signed("run_checks", (run_id, check, now))])
+        )
         self.db.write(writes)
 
     def setup(self, run_id: str) -> RunSetup | None:
@@ -450,6 +455,7 @@ class RunStore:
         if not rows:
             return None
         _, policy, role, tier, policy_file, policy_digest, _, _ = rows[0]
+        check, check_timeout_s, check_kept = self._check(run_id)
         try:
             kept = Policy.model_validate_json(str(policy))
         except ValueError as error:
@@ -463,6 +469,9 @@ class RunStore:
             policy_file=None if policy_file is None else str(policy_file),
             policy_digest=None if policy_digest is None else str(policy_digest),
             limits=self._limits(run_id),
+            check=check,
+            check_timeout_s=check_timeout_s,
+            check_kept=check_kept,
         )
 
     def _limits(self, run_id: str) -> RunLimits | None:
@@ -481,6 +490,24 @@ class RunStore:
             return RunLimits(**kept)
         except (ValueError, TypeError, exc.ConfigurationError) as error:
             raise exc.RunStoreCorrupt(f"{self.ns}_run_limits row {run_id!r}: {error}") from None
+
+    def _check(self, run_id: str) -> tuple[str | None, float | None, bool]:
+        """The run's acceptance check, its timeout, and whether they were kept (False: a run
+        kept without them)."""
+        rows = self.db.query(f"{select(self.ns, 'run_checks')} WHERE run_id = ?", (run_id,))
+        self.mac.check(self.ns, "run_checks", rows, store=self._where)
+        if not rows:
+            return None, None, False
+        try:
+            kept = json.loads(str(rows[0][1]))
+            command, timeout = kept["command"], kept["timeout_s"]
+            if not (command is None or isinstance(command, str)) or not (
+                timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool))
+            ):
+                raise TypeError("not a command and a timeout")
+        except (ValueError, TypeError, KeyError) as error:
+            raise exc.RunStoreCorrupt(f"{self.ns}_run_checks row {run_id!r}: {error}") from None
+        return command, None if timeout is None else float(timeout), True
 
     # -- erasure ------------------------------------------------------------------------------
 

@@ -406,3 +406,25 @@ def test_a_damaged_request_file_is_named_and_the_others_still_listed(tmp_path: P
         decided = runner.invoke(app, ["approve", run, request, "--dir", str(tmp_path)])
         assert decided.exit_code == 1 and "remove it" in decided.stderr, decided.output
     assert runner.invoke(app, ["approve", "run-ok", kept["id"], "--dir", str(tmp_path)]).exit_code == 0
+
+
+def test_approve_or_deny_of_what_waits_for_nothing_exits_two_with_its_fix(tmp_path: Path) -> None:
+    """An unknown run or request, and a request decided already, are errors in what the command
+    was given: exit 2 and what to do, as the CLI's other commands (it was exit 1, no fix)."""
+    from typer.testing import CliRunner
+
+    from stockade.cli.main import app
+
+    runner = CliRunner()
+    folder = ["--dir", str(tmp_path)]
+    for verb in ("approve", "deny"):
+        unknown = runner.invoke(app, [verb, "nosuchrun", "abc", *folder])
+        assert unknown.exit_code == 2, unknown.output
+        assert "no approval request 'abc' for run 'nosuchrun'" in unknown.stderr
+        assert "stockade approvals" in unknown.stderr
+    ApprovalStore(tmp_path).submit(PUSH)
+    assert runner.invoke(app, ["approve", PUSH.run_id, PUSH.id, *folder]).exit_code == 0
+    again = runner.invoke(app, ["deny", PUSH.run_id, PUSH.id, *folder])
+    assert again.exit_code == 2 and "waits for no decision" in again.stderr, again.output
+    assert "fix:" in again.stderr
+    assert "Exit codes" in runner.invoke(app, ["approve", "--help"]).output

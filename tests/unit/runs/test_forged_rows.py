@@ -304,3 +304,23 @@ def test_approvals_and_retries_edited_in_the_database_are_refused(tmp_path: Path
             store.retries("r")
         found = sorted(row.detail.split(" row")[0] for row in store.forged_rows())
         assert found == ["the runs_approvals", "the runs_retries"], found
+
+
+def test_a_runs_acceptance_check_is_signed(tmp_path: Path) -> None:
+    """A check edited away in the database would replay a run that failed it as a success."""
+    from stockade.policy.schema import Policy
+    from stockade.runs.records import RunSetup
+
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        setup = RunSetup(policy=Policy(), role=None, tier="process", check="pytest -q", check_timeout_s=60)
+        store.record_setup("r", setup)
+        assert store.setup("r") == setup
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE runs_run_checks SET body = ?", ('{"command": null, "timeout_s": null}',))
+    with (
+        open_run_store(f"sqlite:///{path}", key=KEY) as store,
+        pytest.raises(RunStoreCorrupt, match="runs_run_checks"),
+    ):
+        store.setup("r")
