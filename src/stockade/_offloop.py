@@ -15,6 +15,8 @@ import contextvars
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from stockade._threads import submit
+
 __all__ = ["run_within"]
 
 T = TypeVar("T")
@@ -30,7 +32,7 @@ async def run_within(
     while ``body`` runs cancels ``body`` as it would in the ``with``. ``opened`` must not
     suppress exceptions (none of ours does)."""
     context = contextvars.copy_context()
-    entering = asyncio.ensure_future(asyncio.to_thread(context.run, opened.__enter__))
+    entering = asyncio.wrap_future(submit(context.run, opened.__enter__))
     cancelled = await _wait_out(entering)
     if cancelled is not None:
         if entering.exception() is None:
@@ -49,11 +51,8 @@ async def run_within(
 async def _exit(
     context: contextvars.Context, opened: contextlib.AbstractContextManager[Any], err: BaseException | None
 ) -> None:
-    exiting = asyncio.ensure_future(
-        asyncio.to_thread(
-            context.run, opened.__exit__, type(err) if err else None, err, err.__traceback__ if err else None
-        )
-    )
+    kind, trace = (type(err), err.__traceback__) if err else (None, None)
+    exiting = asyncio.wrap_future(submit(context.run, opened.__exit__, kind, err, trace))
     cancelled = await _wait_out(exiting)
     exiting.result()  # what the exit raised
     if cancelled is not None:

@@ -9,8 +9,10 @@ sandbox down: the time an exec waits for its answer is not the call's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,6 +241,46 @@ async def test_a_cancelled_call_cancels_its_async_approver_and_a_late_yes_runs_n
         await human.wait()
         r = await sbx.commands.run("cat victim/a.txt")
         assert r.stdout == "precious", r
+
+
+async def test_gathered_approvals_whose_approver_awaits_a_thread_all_run(tier: str) -> None:
+    """Each waiting call held a thread of the loop's default executor, the one the approver's
+    ``to_thread`` needed: six gathered approvals (six threads, on two cores) hung for good."""
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+
+    async def looked_up(record: ExecRecord) -> bool:
+        return await asyncio.to_thread(lambda: True)  # a blocking look-up, off the loop
+
+    sbx = await AsyncSandbox.create(tier, limits=LIMITS, rules=RULES, approver=looked_up)
+    async with sbx:
+        runs = [sbx.commands.run(removes(f"d{i}")) for i in range(6)]
+        results = await asyncio.wait_for(asyncio.gather(*runs), 120)
+    assert [r.stdout for r in results] == [""] * 6  # each rm -r ran
+    assert all(not refusals(r.execs) for r in results)
+
+
+async def test_an_async_approver_that_never_answers_is_given_up_after_approval_wait_s(tier: str) -> None:
+    """The supervisor let the exec's wait go after approval_wait_s, but the call's thread
+    waited for the approver for ever: the call never returned."""
+    gave_up = asyncio.Event()
+
+    async def away(record: ExecRecord) -> bool:
+        try:
+            await asyncio.Event().wait()  # nobody answers
+        except asyncio.CancelledError:
+            gave_up.set()
+            raise
+        return True
+
+    limits = dataclasses.replace(LIMITS, approval_wait_s=2)
+    sbx = await AsyncSandbox.create(tier, limits=limits, rules=RULES, approver=away)
+    async with sbx:
+        r = await asyncio.wait_for(sbx.commands.run(removes("kept")), 60)
+        await asyncio.wait_for(gave_up.wait(), 30)  # cancelled, not left waiting
+    assert r.stdout.split() == ["kept"], r
+    assert refusals(r.execs) == {
+        "kept": "commands.approve: rm -r (the approver did not answer within the call's approval_wait_s)"
+    }
 
 
 def test_resume_refuses_an_approver_it_cannot_call_and_leaves_the_pause_to_resume(

@@ -2,7 +2,8 @@
 ``CancelledError`` goes on. Each call ran in a worker thread nothing stopped: a cancelled
 write landed seconds later over a newer one, a cancelled run_code ran on to its timeout (the
 next call waited for it), a Ctrl-C held ``asyncio.run`` for as long, and a cancelled create
-left its sandbox running until garbage collection."""
+left its sandbox running until garbage collection. The threads were the loop's default
+executor's: long calls held them all, and every other call waited, its cancel too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,46 @@ async def test_a_cancelled_command_is_killed_with_its_cancel() -> None:
             await asyncio.wait_for(sbx.commands.run("sleep 321", timeout_s=60), 0.5)
         left = await sbx.commands.run("ps -eo args")
         assert "sleep 321" not in left.stdout
+
+
+def _scarce_default_executor() -> None:
+    """The application's default executor cut to two threads (a two-core host has six):
+    stockade's calls must need none of it."""
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+
+
+async def test_long_calls_on_one_sandbox_hold_up_no_other_call() -> None:
+    """Each call held a thread of the loop's default executor: six long commands on one
+    sandbox made an echo on another wait 9.5 s, and the application's own ``to_thread``."""
+    _scarce_default_executor()
+    async with await AsyncSandbox.create("process") as busy, await AsyncSandbox.create("process") as idle:
+        long = [asyncio.create_task(busy.commands.run("sleep 30", timeout_s=60)) for _ in range(4)]
+        await asyncio.sleep(0.5)
+        quick = await asyncio.wait_for(idle.commands.run("echo quick"), 20)
+        same = await asyncio.wait_for(busy.commands.run("echo same"), 20)
+        own = await asyncio.wait_for(asyncio.to_thread(lambda: "own"), 20)
+        assert (quick.stdout, same.stdout, own) == ("quick\n", "same\n", "own")
+        assert not any(task.done() for task in long)  # answered while the long ones still ran
+        for task in long:
+            task.cancel()
+        await asyncio.gather(*long, return_exceptions=True)
+
+
+async def test_a_call_cancelled_while_others_run_ends_with_its_cancel() -> None:
+    """``wait_for(..., 1)`` on a call queued behind long ones raised only once they ended
+    (14.5 s): the cancel waited for a job that had not started."""
+    _scarce_default_executor()
+    async with await AsyncSandbox.create("process") as sbx:
+        long = [asyncio.create_task(sbx.commands.run("sleep 30", timeout_s=60)) for _ in range(4)]
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(sbx.commands.run("sleep 321", timeout_s=60), 1)
+        assert time.monotonic() - started < 10  # not once the long ones end (30 s)
+        assert not any(task.done() for task in long)
+        for task in long:
+            task.cancel()
+        await asyncio.gather(*long, return_exceptions=True)
 
 
 async def test_a_cancelled_create_leaves_no_sandbox_running() -> None:

@@ -88,6 +88,7 @@ from pydantic import BaseModel
 
 from stockade._checks import MAX_COST_USD, check_instance, check_number, check_text, check_timeout
 from stockade._cuts import cut_marker
+from stockade._threads import off_loop
 from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease, SandboxKeeper
 from stockade.agent.events import (
     AgentEvent,
@@ -370,7 +371,7 @@ class Agent:
             yield run
         finally:
             for lease in held:
-                await asyncio.to_thread(lease.release)
+                await off_loop(lease.release)
 
     @property
     def _durable(self) -> DurableCheckpointer | None:
@@ -391,12 +392,12 @@ class Agent:
         )
         durable = self._durable
         if durable is not None:  # RunConflict if the store has the id
-            held.append(await asyncio.to_thread(durable.claim, state.run_id, new=True))
+            held.append(await off_loop(durable.claim, state.run_id, new=True))
         elif run_id is not None and self.checkpointer is not None and self.checkpointer.load(run_id):
             raise RunConflict(f"a run {run_id!r} is already checkpointed: give a new run an id of its own")
-        state.baseline = await asyncio.to_thread(record_baseline, books)
+        state.baseline = await off_loop(record_baseline, books)
         if durable is not None:
-            await asyncio.to_thread(durable.record_workspace, state.run_id, books)
+            await off_loop(durable.record_workspace, state.run_id, books)
         run = AgentRun(self, state, sandbox, bookkeeping=books)
         await run.begin(resumed=False)
         return run
@@ -407,7 +408,7 @@ class Agent:
         durable = self._durable
         if durable is not None:  # own the run before reading it: its state is then final
             rid = resume.run_id if isinstance(resume, RunState) else resume
-            held.append(await asyncio.to_thread(durable.claim, rid, new=False))
+            held.append(await off_loop(durable.claim, rid, new=False))
         state = self._load(resume)
         if held and held[0].recovered:  # the dead process's time after its last checkpoint was spent
             state.elapsed_s += held[0].unsaved_s
@@ -417,13 +418,11 @@ class Agent:
                 "it is and never resumed: start a new run"
             )
         previous = state.status
-        restored = durable is not None and await asyncio.to_thread(
-            durable.restore_workspace, state.run_id, books
-        )
+        restored = durable is not None and await off_loop(durable.restore_workspace, state.run_id, books)
         if self.keeper is not None:
             # The sandbox started from what was kept (or is the one it was taken of): the run goes
             # on from here, and a later crash must not bring back memory older than its workspace.
-            await asyncio.to_thread(self.keeper.release, state.run_id)
+            await off_loop(self.keeper.release, state.run_id)
             state.snapshot = None
         # paused or interrupted: the node it stopped in runs again; crashed: where it was
         state.status, state.next, state.resume_at, state.error = (
@@ -532,7 +531,7 @@ class AgentRun:
                 self._emit(event)
 
         try:
-            await asyncio.to_thread(tell)
+            await off_loop(tell)
         except (RunStopped, PolicyDenied, StockadeError) as err:
             self._stop(err)
         self._checkpoint()
@@ -676,7 +675,7 @@ class AgentRun:
         # nothing); without one, the sandbox's default timeout bounds it (30 s by default).
         left, own = self._wall_left(), agent.check_timeout_s
         try:
-            report = await asyncio.to_thread(
+            report = await off_loop(
                 run_test_command,
                 self.bookkeeping,  # the user's command, not the model's: the model's rules do not apply
                 agent.check,
@@ -871,9 +870,7 @@ class AgentRun:
         self._emit(ToolCalled(run_id=state.run_id, step=step, call=call, tool=tool, idempotency_key=key))
         durable = self._durable
         if durable is not None:  # before it runs: a resume must know it may have had effects
-            await asyncio.to_thread(
-                durable.call_started, state.run_id, step, call, key, idempotent=tool.idempotent
-            )
+            await off_loop(durable.call_started, state.run_id, step, call, key, idempotent=tool.idempotent)
         ctx = ToolContext(
             sandbox=self.sandbox,
             run_id=state.run_id,
@@ -909,7 +906,7 @@ class AgentRun:
             # question), or before it ran at all (its window is full: the run waits off its
             # worker): it runs again on resume, guards and all, so the decision is applied.
             if durable is not None:
-                await asyncio.to_thread(durable.call_parked, state.run_id, key)
+                await off_loop(durable.call_parked, state.run_id, key)
             raise
         except _FATAL:  # the run cannot go on (RunStopped passes too: it is no Exception)
             raise
@@ -919,9 +916,7 @@ class AgentRun:
             text, error_type = f"error: {type(err).__name__}: {err}", type(err).__name__
         duration = time.perf_counter() - started
         shown = (
-            await asyncio.to_thread(bound, ctx, text)
-            if len(text) > ctx.max_observation_chars
-            else bound(ctx, text)
+            await off_loop(bound, ctx, text) if len(text) > ctx.max_observation_chars else bound(ctx, text)
         )
         record = ToolCallRecord(
             call=call,
@@ -937,9 +932,7 @@ class AgentRun:
         )
         if durable is not None:  # the call and the workspace it left, kept together
             try:
-                await asyncio.to_thread(
-                    durable.record_workspace, state.run_id, self.bookkeeping, call=(step, record)
-                )
+                await off_loop(durable.record_workspace, state.run_id, self.bookkeeping, call=(step, record))
             except _FATAL:
                 raise
             except StockadeError as err:
@@ -950,7 +943,7 @@ class AgentRun:
                 return self._returned(step, record, value)
         keeper = agent.keeper
         if keeper is not None and keeper.each_call:  # after the ledger: they agree on the files
-            kept = await asyncio.to_thread(keeper.keep, state.run_id, self.bookkeeping)
+            kept = await off_loop(keeper.keep, state.run_id, self.bookkeeping)
             state.snapshot = kept or state.snapshot
         return self._returned(step, record, value)
 
@@ -1008,7 +1001,7 @@ class AgentRun:
             state.steps.append(state.current)  # a step cut short keeps what it did
             state.current = None
         try:
-            diff = await asyncio.to_thread(
+            diff = await off_loop(
                 workspace_diff, self.bookkeeping, self.agent.hands_back, baseline=state.baseline
             )
         except RunStopped:
@@ -1021,7 +1014,7 @@ class AgentRun:
         # ending node's): a run that ended is never resumed to redo it.
         durable = self._durable
         if durable is not None:
-            await asyncio.to_thread(durable.record_diff, state.run_id, diff)
+            await off_loop(durable.record_diff, state.run_id, diff)
         await self._keep_sandbox()
         self._emit(RunFinished(run_id=state.run_id, result=result))
         self._checkpoint()
@@ -1051,10 +1044,10 @@ class AgentRun:
         if keeper is None:
             return
         if state.status.resumable:
-            kept = await asyncio.to_thread(keeper.keep, state.run_id, self.bookkeeping)
+            kept = await off_loop(keeper.keep, state.run_id, self.bookkeeping)
             state.snapshot = kept or state.snapshot
         else:
-            await asyncio.to_thread(keeper.release, state.run_id)
+            await off_loop(keeper.release, state.run_id)
             state.snapshot = None
 
     # -- plumbing -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import check_timeout
+from stockade._threads import off_loop
 from stockade.client._http import DIFF_MAX_BYTES, LIST_MAX_BYTES, AsyncHttp, malformed_archive
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
@@ -129,17 +130,17 @@ class AsyncRemoteRun:
     ) -> Path:
         """See ``RemoteRun.artifacts``; the disk work in a worker thread."""
         host_path(dest, "dest")
-        unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
+        unpack = await off_loop(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         inflated = Inflated(unpack.feed)
         try:
             async with self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response:
                 async for chunk in self.client.http.bulk(response):
-                    await asyncio.to_thread(inflated.feed, chunk)
-            await asyncio.to_thread(inflated.finish)
-            await asyncio.to_thread(unpack.finish)
+                    await off_loop(inflated.feed, chunk)
+            await off_loop(inflated.finish)
+            await off_loop(unpack.finish)
         except BaseException as error:
             # Shielded: a second cancellation must not leave half a download behind.
-            await asyncio.shield(asyncio.to_thread(unpack.abort))
+            await asyncio.shield(off_loop(unpack.abort))
             if isinstance(error, exc.ProtocolError):
                 raise malformed_archive(self.client.http.url, error) from None
             raise
@@ -165,7 +166,7 @@ class AsyncRuns:
 
     async def upload_workspace(self, folder: str | Path) -> str:
         """Send a folder (as a tar, made in a thread); returns the id a run's ``workspace`` takes."""
-        data = await asyncio.to_thread(tar_directory, folder_path(folder, "folder"))
+        data = await off_loop(tar_directory, folder_path(folder, "folder"))
         response = await self.client.http.request("POST", "/v1/workspaces", content=data, headers=TAR_HEADERS)
         return str(answer_field(self.client.http.url, response.json(), "id"))
 

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from stockade import exceptions as exc
+from stockade._threads import off_loop
 from stockade.client import _inputs
 from stockade.client._http import LIST_MAX_BYTES
 from stockade.client.sandbox import (
@@ -143,7 +144,7 @@ class AsyncRemoteFiles:
     ) -> None:
         """Copy a local directory into the workspace (sent as a tar, checked by the server): what
         ``read`` names, but what ``hide`` names (globs, as ``AsyncSandbox.files.upload_dir``)."""
-        params, data = await asyncio.to_thread(upload_body, source, dest, hide, read)
+        params, data = await off_loop(upload_body, source, dest, hide, read)
         await self._request(
             "PUT", "/archive", params=params, content=data,
             headers={"Content-Type": "application/x-tar"},
@@ -158,17 +159,17 @@ class AsyncRemoteFiles:
         from stockade.sandbox._archive import Extraction
 
         params = archive_params(dest, source=source, max_bytes=max_bytes, max_entries=max_entries)
-        unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
+        unpack = await off_loop(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         try:
             async with self._sbx.client.http.stream(
                 "GET", f"{self._base}/archive", params=params
             ) as response:
                 async for chunk in self._sbx.client.http.bulk(response):
-                    await asyncio.to_thread(unpack.feed, chunk)
-            return await asyncio.to_thread(unpack.finish)
+                    await off_loop(unpack.feed, chunk)
+            return await off_loop(unpack.finish)
         except BaseException:
             # Shielded: a second cancellation must not leave half a download behind.
-            await asyncio.shield(asyncio.to_thread(unpack.abort))
+            await asyncio.shield(off_loop(unpack.abort))
             raise
 
 

@@ -8,8 +8,11 @@ non-empty string) and an async approver's coroutine (never awaited) run ``rm -r`
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import inspect
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from stockade import exceptions as exc
@@ -22,10 +25,34 @@ if TYPE_CHECKING:
     from stockade.policy.approval import Choice
     from stockade.types import ExecRecord
 
-__all__ = ["Approver", "AsyncApprover", "answered", "check_approver", "cut_requested", "on_loop"]
+__all__ = [
+    "ANSWER_BY",
+    "Approver",
+    "AsyncApprover",
+    "Refusal",
+    "answered",
+    "check_approver",
+    "cut_requested",
+    "on_loop",
+]
 
 # How often a worker thread waiting for an async approver looks whether its caller gave up.
 CUT_POLL_S = 0.05
+
+# When (``time.monotonic()``) the exec being asked about stops waiting: what is left of its
+# call's ``Limits.approval_wait_s``, set by whoever asks. An async approver not done by then
+# is cancelled and the exec refused: the supervisor has let its wait go by then, and a thread
+# held past it holds the call for good. None: no limit known.
+ANSWER_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar("stockade_answer_by", default=None)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A no that stockade gave on the approver's behalf (it did not answer in time, its call
+    was cancelled), with why: shown with the exec's rule as any refusal's reason."""
+
+    why: str
+
 
 # ``Sandbox``'s: called in the thread that runs the call.
 Approver: TypeAlias = "Callable[[ExecRecord], bool | Choice]"
@@ -58,6 +85,8 @@ def answered(answer: object) -> tuple[bool, str]:
 
     if answer is True or answer is Choice.APPROVED:
         return True, ""
+    if isinstance(answer, Refusal):
+        return False, answer.why
     if answer is False or answer is None or answer is Choice.DENIED:
         return False, ""
     if inspect.isawaitable(answer):
@@ -71,7 +100,7 @@ def answered(answer: object) -> tuple[bool, str]:
 def on_loop(approver: AsyncApprover, loop: asyncio.AbstractEventLoop) -> Approver:
     """``approver`` called from the worker thread an ``AsyncSandbox``'s call runs in: what it
     returns to await (an ``async def``'s coroutine) is awaited on ``loop``, the caller's, while
-    the thread waits for the answer."""
+    the thread waits for the answer: until ``ANSWER_BY`` at most, or the call's cancel."""
     import asyncio
 
     def ask(record: ExecRecord) -> Any:
@@ -87,15 +116,23 @@ def on_loop(approver: AsyncApprover, loop: asyncio.AbstractEventLoop) -> Approve
             return answer  # ``answered`` closes it, and refuses
         future = asyncio.run_coroutine_threadsafe(_awaited(answer), loop)
         cut = CUT.get()
+        answer_by = ANSWER_BY.get()
         while True:
+            wait = CUT_POLL_S if cut is not None else None
+            if answer_by is not None:
+                left = answer_by - time.monotonic()
+                if left <= 0:
+                    future.cancel()
+                    return Refusal("the approver did not answer within the call's approval_wait_s")
+                wait = left if wait is None else min(wait, left)
             try:
-                return future.result(CUT_POLL_S if cut is not None else None)
+                return future.result(wait)
             except concurrent.futures.TimeoutError:
                 if cut is not None and cut.requested:
                     # The caller gave up (its task cancelled): the approver is cancelled with
                     # it, and a yes it would give later lets nothing run.
                     future.cancel()
-                    return False
+                    return Refusal("the call was cancelled while the approver was asked")
 
     return ask
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal, overload
 
 from stockade._checks import check_data, check_host_path, check_number
+from stockade._threads import off_loop
 from stockade.sandbox._requests import (
     MAX_OFFSET,
     TextCallback,
@@ -250,10 +251,8 @@ class AsyncFiles:
         return await self._instance.aexecute(range_op(path, offset, length))
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
-        import asyncio  # lazily: importing stockade must stay cheap
-
         if isinstance(data, str) and len(data) > _SLICE:  # checked and encoded off the loop
-            data = await asyncio.to_thread(_encoded, data)
+            data = await off_loop(_encoded, data)
         return await self._instance.aexecute(write_op(path, data, mode))
 
     async def list(self, path: str = "", *, depth: int = 1) -> Listing:
@@ -292,13 +291,13 @@ class AsyncFiles:
         from stockade.sandbox._archive import Extraction
 
         op = download_op(dest, source, max_bytes, max_entries)
-        unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
+        unpack = await off_loop(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         try:
             whole = await self._instance.aexecute(op, unpack.sink)
             if whole:  # a backend that answers with the whole archive (the shipped fakes)
-                await asyncio.to_thread(unpack.feed, whole)
-            return await asyncio.to_thread(unpack.finish)
+                await off_loop(unpack.feed, whole)
+            return await off_loop(unpack.finish)
         except BaseException:
             # Shielded: a second cancellation must not leave half a download behind.
-            await asyncio.shield(asyncio.to_thread(unpack.abort))
+            await asyncio.shield(off_loop(unpack.abort))
             raise

@@ -30,7 +30,7 @@ from stockade import _exit
 from stockade import exceptions as exc
 from stockade._display import visible
 from stockade.sandbox import _rules
-from stockade.sandbox._approver import answered, cut_requested
+from stockade.sandbox._approver import ANSWER_BY, answered, cut_requested
 from stockade.sandbox._boundary import Boundary, EgressHandle
 from stockade.sandbox._channel import Channel, Stream
 from stockade.sandbox._replies import (
@@ -635,7 +635,7 @@ class SupervisedInstance(Instance):
                     # call (``jobs.Job.hold``). The host's follows by no less: the whole span
                     # from the first ask to the last answer, within the same cap.
                     first_asked = time.monotonic() if first_asked is None else first_asked
-                    self._approve(h)
+                    self._approve(h, first_asked + hold_cap)
                     span = min(time.monotonic() - first_asked, hold_cap)
                     call.extend(span - credited)
                     credited = span
@@ -667,15 +667,19 @@ class SupervisedInstance(Instance):
         with contextlib.suppress(exc.StockadeError, TimeoutError):
             self.channel.call({"op": "cancel", "req": rid}).result(time.monotonic() + CANCEL_S)
 
-    def _approve(self, h: dict[str, Any]) -> None:
-        """An exec inside waits for a human: ask the sandbox's approver, answer the supervisor."""
+    def _approve(self, h: dict[str, Any], answer_by: float) -> None:
+        """An exec inside waits for a human: ask the sandbox's approver, answer the supervisor.
+        Past ``answer_by`` (the call's approval_wait_s spent) an async approver is given up."""
         (record,) = _rules.exec_records({"execs": [h]})
         record = dataclasses.replace(record, own_code=h.get("own") is True)
         approver = self.spec.approver
+        waiting = ANSWER_BY.set(answer_by)
         try:
             allow, why = answered(approver(record)) if approver is not None else (False, "")
         except Exception as error:  # an approver that fails says no
             allow, why = False, f"the approver raised {type(error).__name__}: {visible(str(error))[:200]}"
+        finally:
+            ANSWER_BY.reset(waiting)
         if allow and cut_requested():  # the caller gave up while the approver thought
             allow, why = False, "the call was cancelled while the approver was asked"
         if why:

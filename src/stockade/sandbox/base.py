@@ -224,14 +224,17 @@ CUT_WAIT_S = 60.0
 async def in_thread(
     fn: Callable[[], R], *, orphan: Callable[[R], None] | None = None, interruptible: bool = True
 ) -> R:
-    """``fn()`` in a worker thread, cut as a Ctrl-C cuts it in the main thread when the
-    awaiting task is cancelled (unless not ``interruptible``: a close): the thread is told
+    """``fn()`` in a thread of its own (``stockade._threads``: never the loop's default
+    executor, which queues), cut as a Ctrl-C cuts it in the main thread when the awaiting
+    task is cancelled (unless not ``interruptible``: a close): the thread is told
     (``_interrupt``) and waited for, shielded from further cancels, for up to ``CUT_WAIT_S``;
     what it returned all the same is given to ``orphan`` (a started sandbox is closed); only
-    then does the task's ``CancelledError`` go on. Nothing of the call lands after it."""
+    then does the task's ``CancelledError`` go on. Nothing of the call lands after it; a call
+    cancelled before its thread took it up raises at once."""
     import asyncio  # lazily: importing stockade must stay cheap
     import contextvars
 
+    from stockade._threads import submit
     from stockade.sandbox._interrupt import CUT, Cut, Interrupted
 
     cut = Cut()
@@ -248,10 +251,13 @@ async def in_thread(
         return result
 
     loop = asyncio.get_running_loop()
-    done = loop.run_in_executor(None, run)
+    job = submit(run)
+    done = asyncio.wrap_future(job)
     try:
         return await asyncio.shield(done)
     except asyncio.CancelledError:
+        if job.cancel():  # never started: nothing ran, nothing to wait for or let go of
+            raise
         finished = cut.request()
         deadline = loop.time() + CUT_WAIT_S
         while not done.done() and loop.time() < deadline:
@@ -263,7 +269,7 @@ async def in_thread(
             done.add_done_callback(lambda ended: ended.exception())
         elif not done.cancelled() and done.exception() is None and finished and orphan is not None:
             # It returned just before the cancel: let go of it here, as the thread would have.
-            let_go = loop.run_in_executor(None, orphan, done.result())
+            let_go = asyncio.wrap_future(submit(orphan, done.result()))
             while not let_go.done() and loop.time() < deadline:
                 try:
                     await asyncio.wait({let_go}, timeout=deadline - loop.time())

@@ -16,6 +16,7 @@ from types import TracebackType
 
 from stockade import exceptions as exc
 from stockade._checks import check_host_folder
+from stockade._threads import off_loop
 from stockade.sandbox import _registry
 from stockade.sandbox._approver import Approver, AsyncApprover, check_approver, on_loop
 from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files, loop_sink
@@ -276,16 +277,16 @@ class AsyncSandbox:
             if snapshot is not None:
                 # its objects stay while they are restored, even if it is deleted meanwhile
                 held = store_of(snapshot, store).reading(snapshot)
-                await asyncio.to_thread(reading.enter_context, held)
+                await off_loop(reading.enter_context, held)
                 given = {"limits": limits, "network": network, "envs": envs}
-                tier, spec = await asyncio.to_thread(from_snapshot, snapshot, store, tier, spec, given)
+                tier, spec = await off_loop(from_snapshot, snapshot, store, tier, spec, given)
             if backend is None:
-                name = await asyncio.to_thread(choose_tier, tier, trust, prefer)
-                backend = await asyncio.to_thread(_registry.backend, name)
+                name = await off_loop(choose_tier, tier, trust, prefer)
+                backend = await off_loop(_registry.backend, name)
             chosen = backend if isinstance(backend, AsyncBackend) else ThreadedAsyncBackend(backend)
             instance = await chosen.astart(spec)
         finally:
-            await asyncio.to_thread(reading.close)
+            await off_loop(reading.close)
         sbx = cls(instance)
         if workspace is not None:
             try:

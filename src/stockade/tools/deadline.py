@@ -31,8 +31,8 @@ from stockade.sandbox.ops import Op, RunCode, RunCommand
 
 __all__ = ["DeadlineInstance", "checkpoint", "stopping"]
 
-# The checks ``checkpoint()`` makes; a worker thread started by ``asyncio.to_thread`` sees those
-# of the coroutine that started it (the context is copied).
+# The checks ``checkpoint()`` makes; a worker thread started by ``_threads.off_loop`` (as by
+# ``asyncio.to_thread``) sees those of the coroutine that started it (the context is copied).
 _STOP_CHECKS: contextvars.ContextVar[tuple[Callable[[], None], ...]] = contextvars.ContextVar(
     "stockade_stop_checks", default=()
 )
