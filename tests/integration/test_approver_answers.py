@@ -220,9 +220,11 @@ def test_run_code_that_keeps_an_approval_pending_times_out_once_approval_wait_s_
 
 async def test_a_cancelled_call_cancels_its_async_approver_and_a_late_yes_runs_nothing(tier: str) -> None:
     human = asyncio.Event()
+    asked = asyncio.Event()
     gave_up = asyncio.Event()
 
     async def approver(record: ExecRecord) -> bool:
+        asked.set()
         try:
             await human.wait()  # a human who answers yes, after the caller gave up
         except asyncio.CancelledError:
@@ -233,10 +235,15 @@ async def test_a_cancelled_call_cancels_its_async_approver_and_a_late_yes_runs_n
     sbx = await AsyncSandbox.create(tier, limits=LIMITS, rules=RULES, approver=approver)
     async with sbx:
         await sbx.files.write("victim/a.txt", b"precious")
+        call = asyncio.create_task(sbx.commands.run("rm -r victim"))
+        # cancelled once its exec waits for the approver (a guest under load takes its time
+        # to get there: a deadline of its own raced the exec on the microVM)
+        await asyncio.wait_for(asked.wait(), 60)
         # the human's yes comes 3 s on whatever happens: the old code waited for it, then ran rm
         asyncio.get_running_loop().call_later(3, human.set)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(sbx.commands.run("rm -r victim"), 0.5)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
         await asyncio.wait_for(gave_up.wait(), 30)  # the approver was cancelled, not left waiting
         await human.wait()
         r = await sbx.commands.run("cat victim/a.txt")
