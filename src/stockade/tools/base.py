@@ -47,7 +47,6 @@ from typing import Any, Protocol, get_type_hints, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, create_model
 
-from stockade._threads import off_loop
 from stockade.exceptions import ConfigurationError, InvalidArgument, InvalidToolCall, ToolTimeout
 from stockade.models.messages import ToolDefinition
 from stockade.sandbox.facade import Sandbox
@@ -330,7 +329,7 @@ class Tool:
 
         with stopping(check):
             try:
-                return await off_loop(self.function, *prefix, **values)
+                return await asyncio.to_thread(self.function, *prefix, **values)
             finally:
                 given_up.set()
 
