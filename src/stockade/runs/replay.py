@@ -132,58 +132,45 @@ def _tools_for(state: RunState) -> Toolset:
 def _compare(
     step: int, old: ToolCallRecord | None, new: ToolCallRecord | None, clean: Callable[[str], str]
 ) -> Difference | None:
-    if old is None and new is None:
+    present = old or new
+    if present is None:
         return None
-    if old is None or new is None:
-        present = old or new
-        assert present is not None
-        return Difference(
-            step=step,
-            call_id=present.call.id,
-            tool=present.call.name,
-            what="extra" if old is None else "missing",
-            recorded="" if old is None else old.observation,
-            replayed="" if new is None else new.observation,
-        )
-    if old.is_error != new.is_error or old.error_type != new.error_type:
-        what = "error"
-    elif clean(old.observation) != clean(new.observation):
-        what = "observation"
-    else:
-        return None
-    return Difference(
-        step=step,
-        call_id=old.call.id,
-        tool=old.call.name,
-        what=what,
-        recorded=old.observation,
-        replayed=new.observation,
-    )
+    outcomes = [(r.is_error, r.error_type) for r in (old, new) if r is not None]
+    return _difference(
+        Difference(step=step, call_id=present.call.id, tool=present.call.name, what="",
+                   recorded=old.observation if old else "", replayed=new.observation if new else ""),
+        old is not None, new is not None, len(set(outcomes)) > 1, clean,
+    )  # fmt: skip
 
 
 def _compare_check(
     old: CheckRecord | None, new: CheckRecord | None, clean: Callable[[str], str]
 ) -> Difference | None:
-    if old is None and new is None:
-        return None
     present = old or new
-    assert present is not None
-    if old is None or new is None:
-        what = "extra" if old is None else "missing"
-    elif old.passed != new.passed or old.exit_code != new.exit_code or old.timed_out != new.timed_out:
+    if present is None:
+        return None
+    outcomes = [(r.passed, r.exit_code, r.timed_out) for r in (old, new) if r is not None]
+    return _difference(
+        Difference(step=present.step, call_id="check", tool="check", what="",
+                   recorded=old.observation if old else "", replayed=new.observation if new else ""),
+        old is not None, new is not None, len(set(outcomes)) > 1, clean,
+    )  # fmt: skip
+
+
+def _difference(
+    both: Difference, was: bool, is_: bool, erred: bool, clean: Callable[[str], str]
+) -> Difference | None:
+    """``both`` with what differs between the recorded (``was`` there) and the replayed
+    (``is_`` there) observation: ``erred``, their outcomes differ; None when nothing does."""
+    if not (was and is_):
+        what = "extra" if is_ else "missing"
+    elif erred:
         what = "error"
-    elif clean(old.observation) != clean(new.observation):
+    elif clean(both.recorded) != clean(both.replayed):
         what = "observation"
     else:
         return None
-    return Difference(
-        step=present.step,
-        call_id="check",
-        tool="check",
-        what=what,
-        recorded="" if old is None else old.observation,
-        replayed="" if new is None else new.observation,
-    )
+    return replace(both, what=what)
 
 
 def _steps_of(state: RunState, limits: RunLimits) -> int:
