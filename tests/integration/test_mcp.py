@@ -313,14 +313,7 @@ def test_a_cancelled_call_never_runs_queued_and_is_cut_running(project: Path) ->
     says the client cancelled it (it ran to its end, and the trail said success)."""
     wire = _Wire(project)
     try:
-        hello = {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "1"},
-        }
-        wire.send({"id": 0, "method": "initialize", "params": hello})
-        wire.answer(0)
-        wire.send({"method": "notifications/initialized"})
+        wire.hello()
         wire.call(1, "run_code", {"code": "import time; time.sleep(2); print('first')", "language": "python"})
         time.sleep(0.5)
         wire.call(2, "write_file", {"path": "cancelled.txt", "content": "ran\n"})
