@@ -26,6 +26,7 @@ from stockade._config_file import audit_key
 from stockade._display import visible, visible_json
 from stockade._private import replace_private
 from stockade._sqlite_reader import SQLiteReader
+from stockade._state import sqlite_files
 from stockade.audit.events import AuditEvent
 from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
@@ -287,7 +288,8 @@ def export(
     namespace: NamespaceOpt = "audit",
 ) -> None:
     """Write events as JSON Lines (one event per line, with its hash) for a SIEM. The output
-    file takes its name once the export is done (a failed export leaves it as it was), and is
+    file takes its name once the export is done (one that cannot start leaves it as it was; a
+    store damaged part way still has the events read before it written, and exits 1), and is
     never the database itself, nor its -wal, -shm or -journal."""
     if output is not None:
         _refuse_own_file(output, db)
@@ -313,27 +315,17 @@ def _output(output: Path | None) -> Iterator[TextIO]:
             yield stream
 
 
-_SQLITE_FILES = ("", "-wal", "-shm", "-journal")
-
-
 def _refuse_own_file(output: Path, db: str) -> None:
     """Exit 2 when ``output`` is the SQLite database ``db`` or one of its files, by name or
     as the same file (a symlink, a hard link): the export would replace what it reads."""
     if "://" in db and not db.startswith("sqlite:///"):
         return
     path = Path(db.removeprefix("sqlite:///"))
-    names = {
-        os.path.realpath(f"{base}{suffix}")
-        for base in (path, os.path.realpath(path))
-        for suffix in _SQLITE_FILES
-    }
+    names = {os.path.realpath(p) for base in (path, Path(os.path.realpath(path))) for p in sqlite_files(base)}
     same = os.path.realpath(output) in names
-    with contextlib.suppress(OSError):
-        shown = os.stat(output)
-        for name in names:
-            with contextlib.suppress(OSError):
-                held = os.stat(name)
-                same = same or (held.st_dev, held.st_ino) == (shown.st_dev, shown.st_ino)
+    for name in names:
+        with contextlib.suppress(OSError):
+            same = same or os.path.samefile(output, name)
     if same:
         err.print(
             f"[red]--output {escape(str(output))} is the audit database {escape(str(path))} or one of its "
