@@ -577,6 +577,7 @@ class Supervisor:
             interp.drain(job)
         interp.close(self)
         self.shims.pop(interp.shim, None)
+        restarted = reason is not None  # a run ended it; None: a reset or the end, for everyone
         if reason is not None:
             name = "TimeoutError" if job is not None and job.timed_out else "KernelDied"
         else:
@@ -584,7 +585,7 @@ class Supervisor:
         payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
         if job is not None:
             self.finish_code(job, payload)
-        if reason is not None and job is not None:
+        if restarted and job is not None:
             # The run that timed out, was cancelled or whose interpreter died takes the blame;
             # those queued behind it never ran and go on in a new interpreter (they failed
             # with its TimeoutError before, never started). Each drop finishes one run: a
