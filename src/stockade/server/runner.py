@@ -429,9 +429,6 @@ class Runner:
         try:
             spec = RunSubmit.model_validate(self.store.run_spec(run_id) or {})
             limits = spec.sandbox_limits.build() if spec.sandbox_limits is not None else None
-            # the tenant's ceilings as they are now, as a submission is held to them: lowered
-            # while the run waited (paused, queued), a resumed run kept the larger ones
-            check_share(tenant, limits or Limits(), what="the run's sandbox")
             config = AgentConfig(
                 model=build_model(spec),
                 policy=tenant.policy,
@@ -459,13 +456,6 @@ class Runner:
                 limit_wait_in_place_s=self.config.limit_wait_in_place_s,
                 runtime_observers=(deferral,),
             )  # fmt: skip
-        except exc.QuotaExceeded as error:
-            why = (
-                "the run cannot go on within its tenant's quotas as they are now (lowered since it "
-                f"was submitted): {error}"
-            )
-            self.store.set_status(run_id, "error", error=why)
-            return None
         except exc.StockadeError as error:
             self.store.set_status(run_id, "error", error=described(error))
             return None
@@ -519,9 +509,13 @@ class Runner:
         try:
             check_share(tenant, share, what="the run's sandbox")
         except exc.QuotaExceeded as error:
-            # its tenant's quota was cut below it after it was submitted (the API refuses such
-            # a run at once): waiting queued, it asked for ever and held a place of `runs`
-            why = f"{error} (its tenant's quotas were lowered after it was submitted)"
+            # the tenant's ceilings as they are now, as a submission is held to them: lowered
+            # while the run waited, it asked for ever (holding a place of `runs`), or went on
+            # with the larger ones (a resumed run's output_bytes)
+            why = (
+                "the run cannot go on within its tenant's quotas as they are now (lowered since it "
+                f"was submitted): {error}"
+            )
             self.store.set_status(run_id, "error", error=why, only_from=[was])
             now = self.store.run_head(run_id)
             return RunOutcome(
