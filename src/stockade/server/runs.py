@@ -131,8 +131,8 @@ def _out(service: Service, row: RunRow, *, detail: bool = False) -> RunOut:
         if summary is not None and summary.status.finished:
             state = service.run_store.load(row.run_id)
             out.answer = state.answer if state is not None else None
-        pending = service.approvals.pending(row.run_id)
-        out.pending_approvals, out.pending_count = pending[:PENDING_SHOWN], len(pending)
+        out.pending_approvals = service.approvals.pending(row.run_id, limit=PENDING_SHOWN)
+        out.pending_count = service.approvals.count_pending(row.run_id)
     return out
 
 
@@ -517,7 +517,7 @@ async def resume_run(run_id: str, request: Request, caller: Caller) -> RunOut:
     def work() -> RunOut:
         within = (caller.tenant.id, caller.tenant.quotas.runs)
         row = _row(service, caller, run_id)
-        decided = row.status == "paused" and not service.approvals.pending(run_id)
+        decided = row.status == "paused" and service.approvals.count_pending(run_id) == 0
         if row.status != "broken" and not decided:
             raise exc.RunConflict(
                 f"run {run_id} is {_status(service, row)}: only a broken run, or a paused one whose "

@@ -1159,10 +1159,19 @@ class DatabaseApprovals:
         """The run's requests, oldest first; ``offset`` and ``limit`` page them (the API's)."""
         return self._select(run_id, "", "ORDER BY updated_ns, request_id", offset=offset, limit=limit)
 
-    def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
+    def pending(self, run_id: str | None = None, *, limit: int | None = None) -> list[dict[str, str]]:
+        """The run's pending requests, the latest first; ``limit``: that many at most."""
         if run_id is None:
             return []  # the service asks by run: a tenant sees only its own
-        return self._select(run_id, "AND status = 'pending'", "ORDER BY updated_ns DESC, request_id")
+        latest = "ORDER BY updated_ns DESC, request_id"
+        return self._select(run_id, "AND status = 'pending'", latest, limit=limit)
+
+    def count_pending(self, run_id: str) -> int:
+        """How many requests of the run wait, counted where they are kept (not read)."""
+        rows = self.db.query(
+            f"SELECT COUNT(*) FROM {self.table} WHERE run_id = ? AND status = 'pending'", (run_id,)
+        )
+        return _int(rows[0][0]) if rows else 0
 
     def _select(
         self, run_id: str, where: str, order: str, *, offset: int = 0, limit: int | None = None
