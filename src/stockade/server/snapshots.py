@@ -47,7 +47,6 @@ from stockade.sandbox.snapshots import ROLE_KEY, MiB, SnapshotStore
 from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
 from stockade.server.schemas import SnapshotOut
-from stockade.server.state import TERMINAL
 from stockade.server.tenants import Principal, Tenant
 from stockade.types import Snapshot
 
@@ -219,11 +218,11 @@ class TenantSnapshots:
         """Erase the sandboxes kept for runs of ``tenant`` the database says ended, or does not
         know (deleted, or never the service's); how many. A run that waits keeps its own."""
         store = store or self.store(tenant)
-        ended = []
-        for run_id in kept_runs(store):
-            row = self.service.store.run_head(run_id)
-            if row is None or row.status in TERMINAL or row.tenant != tenant.id:
-                ended.append(run_id)
+        kept = kept_runs(store)
+        if not kept:  # the common case, before each snapshot or pause: no query
+            return 0
+        waiting = {row.run_id for row in self.service.store.open_runs(tenant.id)}  # one query
+        ended = [run_id for run_id in kept if run_id not in waiting]
         return release_run_snapshots(store, ended) if ended else 0
 
     def sweep_ended_runs(self) -> int:
