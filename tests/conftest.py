@@ -449,10 +449,14 @@ def _home_is_left_untouched() -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def _own_snapshot_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Snapshots (and the microVM's boot images) in a folder of the session's own, set before
-    any tier is created (a backend keeps the store it was made with)."""
+    any tier is created (a backend keeps the store it was made with). Removed at the end: a
+    microVM snapshot is its whole memory, a worker's session wrote 20 GB of them, and pytest
+    keeps a session's own folders for its last three runs whatever the retention policy."""
     before = os.environ.get("STOCKADE_SNAPSHOT_DIR")
-    os.environ["STOCKADE_SNAPSHOT_DIR"] = str(tmp_path_factory.mktemp("snapshots"))
+    store = tmp_path_factory.mktemp("snapshots")
+    os.environ["STOCKADE_SNAPSHOT_DIR"] = str(store)
     yield
+    shutil.rmtree(store, ignore_errors=True)
     if before is None:
         os.environ.pop("STOCKADE_SNAPSHOT_DIR", None)
     else:
