@@ -306,15 +306,9 @@ def run_code(
 
 def _read_source(path: Path) -> str:
     """As the other file inputs are read: a FIFO (no writer) hung the command for ever."""
-    try:
-        return read_config_text(path, what="FILE")
-    except exc.ConfigurationError as error:
-        said = str(error)
-        if isinstance(error, exc.InvalidArgument):  # a FIFO, a folder: its own fix is not this one
-            said = error.message.removesuffix(f"; {error.fix}")
-        raise exc.InvalidArgument(
-            said, argument="FILE", fix="give a readable text file, or - to read the code from standard input"
-        ) from None
+    return read_config_text(
+        path, what="FILE", fix="give a readable text file, or - to read the code from standard input"
+    )
 
 
 def gc(
