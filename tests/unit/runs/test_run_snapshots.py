@@ -69,7 +69,6 @@ def test_releasing_ended_runs_sandboxes_never_fails_the_caller(
     leaves the snapshots to the next sweep, said in the log, and the run's end goes on."""
     store = SnapshotStore(tmp_path / "s")
     kept(store, "run-1", SnapshotKind.FILES, b"files")
-    (store.root / "reserved").rmdir()
     (store.root / "reserved").write_text("not the store's folder")  # its lock cannot be taken
     with caplog.at_level(logging.WARNING):
         assert release_run_snapshots(store, ["run-1"]) == 0
