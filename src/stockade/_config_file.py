@@ -26,25 +26,29 @@ _KINDS = {
 }
 
 
-def read_config_bytes(path: str | os.PathLike[str], *, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> bytes:
+def read_config_bytes(
+    path: str | os.PathLike[str], *, what: str, max_bytes: int = MAX_CONFIG_BYTES, fix: str = ""
+) -> bytes:
     """The bytes of the regular file at ``path``; ``what`` names it in errors ("the policy
     file"). ``InvalidArgument`` for anything but a regular file, or one over ``max_bytes``;
-    ``ConfigurationError`` for a file that cannot be read (missing, no permission)."""
+    ``ConfigurationError`` for a file that cannot be read (missing, no permission). Given a
+    ``fix`` (what a command's argument takes instead), every error is an ``InvalidArgument``
+    of ``what`` that says it."""
     shown = os.fspath(path)
     try:
         # O_NONBLOCK: opening a FIFO waits for a writer otherwise; fstat refuses it just after
         fd = os.open(shown, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as error:
-        raise ConfigurationError(f"cannot read {what} {shown!r}: {error.strerror}") from None
+        raise _refused(f"cannot read {what} {shown!r}: {error.strerror}", what, fix) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
             raise InvalidArgument(
-                f"{what} {shown!r} is {kind}", argument=what, fix="give the path of a regular file"
+                f"{what} {shown!r} is {kind}", argument=what, fix=fix or "give the path of a regular file"
             )
         if info.st_size > max_bytes:
-            raise _too_big(what, shown, max_bytes)
+            raise _too_big(what, shown, max_bytes, fix)
         chunks: list[bytes] = []
         size = 0
         while size <= max_bytes:  # st_size may be stale (a file still growing): count what comes
@@ -54,31 +58,36 @@ def read_config_bytes(path: str | os.PathLike[str], *, what: str, max_bytes: int
             chunks.append(chunk)
             size += len(chunk)
         if size > max_bytes:
-            raise _too_big(what, shown, max_bytes)
+            raise _too_big(what, shown, max_bytes, fix)
         return b"".join(chunks)
     except OSError as error:
-        raise ConfigurationError(f"cannot read {what} {shown!r}: {error.strerror}") from None
+        raise _refused(f"cannot read {what} {shown!r}: {error.strerror}", what, fix) from None
     finally:
         os.close(fd)
 
 
-def read_config_text(path: str | os.PathLike[str], *, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+def read_config_text(
+    path: str | os.PathLike[str], *, what: str, max_bytes: int = MAX_CONFIG_BYTES, fix: str = ""
+) -> str:
     """``read_config_bytes`` as UTF-8 text; bytes that are no UTF-8 are a ``ConfigurationError``
-    naming the first one."""
-    data = read_config_bytes(path, what=what, max_bytes=max_bytes)
+    naming the first one (with a ``fix``, an ``InvalidArgument`` that says it)."""
+    data = read_config_bytes(path, what=what, max_bytes=max_bytes, fix=fix)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ConfigurationError(
-            f"{what} {os.fspath(path)!r}: byte {error.start} is not UTF-8 (it must be UTF-8 text)"
-        ) from None
+        said = f"{what} {os.fspath(path)!r}: byte {error.start} is not UTF-8 (it must be UTF-8 text)"
+        raise _refused(said, what, fix) from None
 
 
-def _too_big(what: str, shown: str, max_bytes: int) -> InvalidArgument:
+def _refused(message: str, what: str, fix: str) -> ConfigurationError:
+    return InvalidArgument(message, argument=what, fix=fix) if fix else ConfigurationError(message)
+
+
+def _too_big(what: str, shown: str, max_bytes: int, fix: str) -> InvalidArgument:
     return InvalidArgument(
         f"{what} {shown!r} is over {max_bytes >> 20} MiB, more than any {what.removeprefix('the ')} needs",
         argument=what,
-        fix="give the path of the file meant",
+        fix=fix or "give the path of the file meant",
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["CARRIED", "STATE_DIR", "is_state", "sqlite_files", "within"]
+__all__ = ["CARRIED", "STATE_DIR", "is_state", "sqlite_files", "sqlite_path", "within"]
 
 STATE_DIR = ".stockade"
 # What the run itself keeps in the sandbox's ``.stockade/`` (tools.workspace_diff.BASELINE,
@@ -33,6 +33,14 @@ def is_state(path: str) -> bool:
     entry of a ``.stockade`` folder that is not the run's own bookkeeping."""
     parts = path.split("/")
     return any(part == STATE_DIR and parts[i + 1] not in CARRIED for i, part in enumerate(parts[:-1]))
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a database given as ``sqlite:///PATH`` or as a bare path (as the commands'
+    ``--db`` takes it); None for another database's URL (``postgresql://...``)."""
+    if "://" in url and not url.startswith("sqlite:///"):
+        return None
+    return Path(url.removeprefix("sqlite:///"))
 
 
 def sqlite_files(database: Path) -> tuple[Path, ...]:

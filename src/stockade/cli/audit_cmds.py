@@ -26,7 +26,7 @@ from stockade._config_file import audit_key
 from stockade._display import visible, visible_json
 from stockade._private import replace_private
 from stockade._sqlite_reader import SQLiteReader
-from stockade._state import sqlite_files
+from stockade._state import sqlite_files, sqlite_path
 from stockade.audit.events import AuditEvent
 from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
@@ -87,8 +87,8 @@ def _has_table(path: Path, table: str) -> bool:
 
 
 def _store(db: str, namespace: str) -> AuditStore:
-    if "://" not in db or db.startswith("sqlite:///"):
-        path = Path(db.removeprefix("sqlite:///"))
+    path = sqlite_path(db)
+    if path is not None:
         if not path.exists():
             err.print(f"[red]no audit store at {escape(str(path))}[/] (set --db or STOCKADE_AUDIT_DB)")
             raise typer.Exit(2)
@@ -133,16 +133,13 @@ def _ledger(runs_db: str | None, db: str, namespace: str, key: bytes | None) -> 
     from stockade.runs import open_run_store
 
     url = runs_db or db
-    if "://" not in url or url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///"))
-        if not path.exists() or not _has_table(path, f"{namespace}_tool_calls"):
-            if runs_db is not None:
-                err.print(
-                    f"[red]no run store at {escape(str(path))}[/] (check --runs-db and --runs-namespace)"
-                )
-                raise typer.Exit(2)
-            yield None
-            return
+    path = sqlite_path(url)
+    if path is not None and (not path.exists() or not _has_table(path, f"{namespace}_tool_calls")):
+        if runs_db is not None:
+            err.print(f"[red]no run store at {escape(str(path))}[/] (check --runs-db and --runs-namespace)")
+            raise typer.Exit(2)
+        yield None
+        return
     try:  # read-only: checking the evidence must not change it (no table made, no run marked)
         store = open_run_store(url, namespace=namespace, key=key, read_only=True)
     except exc.RunStoreError as error:  # a store that fails or lacks tables: nothing proven
@@ -318,9 +315,9 @@ def _output(output: Path | None) -> Iterator[TextIO]:
 def _refuse_own_file(output: Path, db: str) -> None:
     """Exit 2 when ``output`` is the SQLite database ``db`` or one of its files, by name or
     as the same file (a symlink, a hard link): the export would replace what it reads."""
-    if "://" in db and not db.startswith("sqlite:///"):
+    path = sqlite_path(db)
+    if path is None:
         return
-    path = Path(db.removeprefix("sqlite:///"))
     names = {os.path.realpath(p) for base in (path, Path(os.path.realpath(path))) for p in sqlite_files(base)}
     same = os.path.realpath(output) in names
     for name in names:

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from stockade import exceptions as exc
 from stockade._config_file import audit_key
+from stockade._state import sqlite_path
 from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, escape, print_diff, print_json
 from stockade.cli._numbers import checked
@@ -64,11 +65,10 @@ def _store(db: str, namespace: str, *, read_only: bool) -> RunStore:
     """The run store; ``read_only`` for the commands that only read it (they change nothing).
     With the audit key (``STOCKADE_AUDIT_KEY``, as `stockade audit`), rows edited outside
     stockade are told apart: shown ``forged`` in a list, refused when one run is read."""
-    if "://" not in db or db.startswith("sqlite:///"):
-        path = Path(db.removeprefix("sqlite:///"))
-        if not path.exists():
-            err.print(f"[red]no run store at {escape(str(path))}[/] (set --db or STOCKADE_RUNS_DB)")
-            raise typer.Exit(2)
+    path = sqlite_path(db)
+    if path is not None and not path.exists():
+        err.print(f"[red]no run store at {escape(str(path))}[/] (set --db or STOCKADE_RUNS_DB)")
+        raise typer.Exit(2)
     try:
         return open_run_store(db, namespace=namespace, key=_audit_key(), read_only=read_only)
     except exc.StockadeError as error:

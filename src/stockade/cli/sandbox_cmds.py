@@ -306,15 +306,9 @@ def run_code(
 
 def _read_source(path: Path) -> str:
     """As the other file inputs are read: a FIFO (no writer) hung the command for ever."""
-    try:
-        return read_config_text(path, what="FILE")
-    except exc.ConfigurationError as error:
-        said = str(error)
-        if isinstance(error, exc.InvalidArgument):  # a FIFO, a folder: its own fix is not this one
-            said = error.message.removesuffix(f"; {error.fix}")
-        raise exc.InvalidArgument(
-            said, argument="FILE", fix="give a readable text file, or - to read the code from standard input"
-        ) from None
+    return read_config_text(
+        path, what="FILE", fix="give a readable text file, or - to read the code from standard input"
+    )
 
 
 def gc(
@@ -339,7 +333,7 @@ def gc(
     """Remove what crashed processes left behind: cgroups, mounts, run folders, containers, and
     snapshots nothing keeps."""
     from stockade.sandbox import _gc
-    from stockade.sandbox.snapshots import MARKER
+    from stockade.sandbox.snapshots import MARKER, SnapshotStore
 
     engine = None
     if network:  # lasting, like the image: shared by every process's full-network sandboxes
@@ -355,15 +349,19 @@ def gc(
                 f"{err}: gc --network removes the full network's firewall rules only once the engine "
                 "says no sandbox is on it; nothing was removed"
             ) from None
+    stores: list[SnapshotStore] = []
     for folder in snapshot_dir or ():
         if not folder.is_dir():
             out.print(f"no snapshot folder {escape(str(folder))}: nothing collected there")
-        elif not _gc.snapshot_stores(folder):
+            continue
+        found = _gc.snapshot_stores(folder)
+        if not found:
             out.print(
                 f"no snapshot store in {escape(str(folder))} (a store holds a {MARKER} file): "
                 "nothing collected there"
             )
-    removed = _gc.collect(snapshot_dir or ())
+        stores += found
+    removed = _gc.collect(stores)
     if engine is not None:
         from stockade.sandbox import _netfull
 

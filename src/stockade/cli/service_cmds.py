@@ -12,6 +12,7 @@ import typer
 
 from stockade import exceptions as exc
 from stockade._config_file import audit_key, read_config_text
+from stockade._state import sqlite_path
 from stockade.cli._console import CliConsole, escape, print_json
 
 if TYPE_CHECKING:
@@ -295,12 +296,11 @@ def _service_store(db: str) -> ServiceStore:
     (an empty database, and its folders, reported as a tenant without workspaces)."""
     from stockade.server.state import ServiceStore, open_database
 
-    if "://" not in db or db.startswith("sqlite:///"):
-        path = Path(db.removeprefix("sqlite:///"))
-        if not path.is_file():
-            err.print(f"[red]error:[/] no service database at {escape(str(path))}")
-            err.print("[cyan]fix:[/] give --db (or STOCKADE_DB) as `stockade serve` was given it")
-            raise typer.Exit(2)
+    path = sqlite_path(db)
+    if path is not None and not path.is_file():
+        err.print(f"[red]error:[/] no service database at {escape(str(path))}")
+        err.print("[cyan]fix:[/] give --db (or STOCKADE_DB) as `stockade serve` was given it")
+        raise typer.Exit(2)
     try:
         return ServiceStore(open_database(db))
     except exc.StockadeError as error:

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from stockade import exceptions as exc
+from stockade._state import sqlite_path
 from stockade.cli._console import CliConsole, escape
 
 err = CliConsole(stderr=True)
@@ -44,7 +45,7 @@ def ui(
     from stockade.server.viewer.data import LocalRuns
     from stockade.server.viewer.web import local_app
 
-    path = Path(db.removeprefix("sqlite:///")) if "://" not in db or db.startswith("sqlite:///") else None
+    path = sqlite_path(db)
     if path is not None and not path.exists():
         err.print(f"[red]no run store at {escape(str(path))}[/] (set --db or STOCKADE_RUNS_DB)")
         raise typer.Exit(2)

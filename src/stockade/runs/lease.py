@@ -102,8 +102,8 @@ class RunLease:
         # how long a dead predecessor ran past its last checkpoint (to its last renewal)
         self.unsaved_s = unsaved_s
         self.lost = False
-        # given by ``claimed_ahead(kept=True)``: its holder's ``release`` leaves it held, and
-        # the leaving of ``claimed_ahead`` releases it
+        # given by ``claimed_ahead``: its holder's ``release`` leaves it held, and the leaving
+        # of ``claimed_ahead`` releases it
         self.kept = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name=f"stockade-lease-{run_id[:12]}", daemon=True)

@@ -286,14 +286,13 @@ class RunStore:
         )
 
     @contextlib.contextmanager
-    def claimed_ahead(self, run_id: str, *, new: bool, kept: bool = False) -> Iterator[RunLease]:
+    def claimed_ahead(self, run_id: str, *, new: bool) -> Iterator[RunLease]:
         """Take the run's lease now (``claim``, not waiting: ``RunLeased``), before what takes
         long to make ready for the run (its sandbox), and give it to the next ``claim`` of the
-        run in this process (the agent's). Released on leaving, unless given (its new holder
-        releases it); ``kept``: released on leaving all the same, its holder's release left
-        undone (what follows the run here, up to saying how it ended, is still the run's)."""
+        run in this process (the agent's). Released on leaving, not by its holder's release:
+        what follows the run here, up to saying how it ended, is still the run's."""
         lease = self.claim(run_id, new=new, wait_s=0.0)
-        lease.kept = kept
+        lease.kept = True
         with self._ahead_lock:
             self._ahead[run_id] = lease
         try:

@@ -3,10 +3,11 @@ snapshot store: snapshots nothing keeps (deleted, resumed, boot images of an old
 
 Each tier module may define ``collect_garbage() -> list[str]``; ``collect`` runs those of the
 tiers whose module imports (a missing optional dependency means that tier left nothing).
-The host's snapshot store is collected, and each folder of ``snapshot_dirs``: a store, or a
-service's snapshot folder (``serve --snapshot-dir``), whose every tenant's store is collected.
-A store is known by its mark (``SnapshotStore.recognised``), never by its folders' names: a
-parent folder given by mistake, whose projects held a tmp/ or an objects/, lost their files.
+The host's snapshot store is collected, and each of ``stores``: what ``snapshot_stores`` finds
+in a folder (``gc --snapshot-dir``: a store, or a service's snapshot folder, whose every
+tenant's store is collected). A store is known by its mark (``SnapshotStore.recognised``),
+never by its folders' names: a parent folder given by mistake, whose projects held a tmp/ or
+an objects/, lost their files.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from stockade.sandbox._registry import TIERS
 from stockade.sandbox.snapshots import SnapshotStore
 
 
-def collect(snapshot_dirs: Iterable[Path] = ()) -> list[str]:
+def collect(stores: Iterable[SnapshotStore] = ()) -> list[str]:
     removed: list[str] = []
     for module_name, _, _ in TIERS.values():
         try:
@@ -32,9 +33,8 @@ def collect(snapshot_dirs: Iterable[Path] = ()) -> list[str]:
         if collector is not None:
             removed += collector()
     removed += SnapshotStore.default().collect()
-    for folder in snapshot_dirs:
-        for store in snapshot_stores(folder):
-            removed += store.collect()
+    for store in stores:
+        removed += store.collect()
     from stockade.server import scratch  # the service's, in the default temporary folder
 
     removed += scratch.collect()

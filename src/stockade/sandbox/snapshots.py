@@ -57,7 +57,7 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -179,6 +179,10 @@ class SnapshotStore:
     # What audit events and errors call it; its folder when empty. A service names its
     # tenants' stores: their callers are not told where on the host they are.
     name: str = ""
+    # Once known, for this value's life: the folder holds a mark (none is written again), and
+    # the mark is this store's (``recognised``). Read at every write and collection before.
+    _mark_found: bool = field(default=False, init=False, repr=False, compare=False)
+    _known_store: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # A folder given as a string (as os.fspath and most callers have it) is a path too;
@@ -222,11 +226,12 @@ class SnapshotStore:
             path.mkdir(exist_ok=True, mode=0o700)
         # What holds snapshots is a store from its first write on (one an older version made
         # too): a lock or a read alone marks nothing (``snapshots delete`` given a wrong folder)
-        if name in ("objects", "snapshots", "refs", "tmp") and not os.path.lexists(self.root / MARKER):
-            self._mark()
+        if name in ("objects", "snapshots", "refs", "tmp") and not self._mark_found:
+            object.__setattr__(self, "_mark_found", os.path.lexists(self.root / MARKER) or self._mark())
         return path
 
-    def _mark(self) -> None:
+    def _mark(self) -> bool:
+        """Write the mark; whether it is there now."""
         marker = self.root / MARKER
         tmp = marker.with_name(f"{MARKER}.{secrets.token_hex(4)}")
         try:
@@ -234,27 +239,32 @@ class SnapshotStore:
             os.replace(tmp, marker)
         except OSError:  # a store mounted read-only: nothing here collects it either
             tmp.unlink(missing_ok=True)
+            return False
+        object.__setattr__(self, "_mark_found", True)
+        object.__setattr__(self, "_known_store", True)
+        return True
 
     def recognised(self) -> bool:
         """Whether the folder is a snapshot store, which ``collect`` may remove from: it holds
         the store's mark (``MARKER``), or it is a store an older version made, before the
         mark, known by a layout nothing else has (only the store's folders; objects named by
-        64 hex digits; manifests that hash to their names), and marked now."""
-        if self._marked():
-            return True
-        if not _made_before_marks(self.root):
-            return False
-        self._mark()
+        64 hex digits; manifests that hash to their names), and marked now. Once known, the
+        mark is not read again."""
+        if not (self._known_store or self._marked()):
+            if not _made_before_marks(self.root):
+                return False
+            self._mark()
+        object.__setattr__(self, "_known_store", True)
         return True
 
     def _marked(self) -> bool:
         try:
-            fd = os.open(self.root / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = _open_regular(self.root / MARKER)
         except OSError:
             return False
+        if fd is None:
+            return False
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return False
             data = json.loads(os.read(fd, 4096))
         except (OSError, ValueError):
             return False
@@ -343,12 +353,11 @@ class SnapshotStore:
         return path
 
     def _open_object(self, digest: str) -> BinaryIO:
-        """The object, opened for reading: a regular file, not followed through a link nor
-        waited on (a FIFO in its place hung a restore for good, a link to /dev/zero streamed
-        zeros without end): anything else is ``SnapshotCorrupt``."""
+        """The object, opened for reading as a regular file only (``_open_regular``): anything
+        else, or none, is ``SnapshotCorrupt``."""
         path = self.object_path(digest)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = _open_regular(path)
         except FileNotFoundError:
             raise exc.SnapshotCorrupt(
                 f"object {digest[:16]} of the snapshot is missing from {self.label}"
@@ -358,12 +367,10 @@ class SnapshotStore:
                 f"object {digest[:16]} of the snapshot is not a file of the store ({error.strerror}); "
                 "nothing was restored from it"
             ) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
+        if fd is None:
             raise exc.SnapshotCorrupt(
                 f"object {digest[:16]} of the snapshot is not a regular file; nothing was restored from it"
             )
-        os.set_blocking(fd, True)
         return open(fd, "rb", buffering=0)
 
     def stream_object(self, digest: str, chunk: int) -> Generator[bytes, None, None]:
@@ -470,14 +477,10 @@ class SnapshotStore:
         """The manifest of a snapshot, its text checked against its hash (``SnapshotCorrupt``)."""
         sid = _snapshot_id(snapshot)
         path = self._manifest_path(sid)
-        text = path.read_bytes()
         digest = path.name.removesuffix(".json")
-        if hashlib.sha256(text).hexdigest() != digest:
+        data = _manifest_fields(path.read_bytes(), digest)
+        if data is None:
             raise exc.SnapshotCorrupt(f"the manifest of snapshot {sid} was modified; nothing was restored")
-        try:
-            data = json.loads(text)
-        except ValueError:  # pragma: no cover - a text that hashes right was written by us
-            raise exc.SnapshotCorrupt(f"the manifest of snapshot {sid} does not parse") from None
         if data.get("format") != FORMAT:
             raise exc.SnapshotIncompatible(f"snapshot {sid} has format {data.get('format')!r}, not {FORMAT}")
         return Manifest(_value(digest, data, self.root), data)
@@ -1059,27 +1062,48 @@ def _made_before_marks(root: Path) -> bool:
 
 
 def _is_manifest(path: Path) -> bool:
+    """Whether ``path`` is a manifest of any format: a regular file of at most
+    ``_MAX_MANIFEST`` bytes whose text hashes to its name and names its objects."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_regular(path)
+        if fd is None:
+            return False
+        with open(fd, "rb") as fh:
+            text = fh.read(_MAX_MANIFEST + 1)
     except OSError:
         return False
+    data = _manifest_fields(text, path.name.removesuffix(".json")) if len(text) <= _MAX_MANIFEST else None
+    return data is not None and isinstance(data.get("blobs"), dict) and "format" in data
+
+
+def _manifest_fields(text: bytes, digest: str) -> dict[str, Any] | None:
+    """A manifest's fields, when its ``text`` hashes to ``digest`` (its name) and is a JSON
+    object; else None."""
+    if hashlib.sha256(text).hexdigest() != digest:
+        return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        with open(fd, "rb", closefd=False) as fh:
-            text = fh.read(_MAX_MANIFEST + 1)
         data = json.loads(text)
-    except (OSError, ValueError):
-        return False
-    finally:
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _open_regular(path: Path) -> int | None:
+    """A descriptor reading ``path`` (blocking) when it is a regular file, None when it is
+    anything else: never opened through a link (``OSError``, ELOOP) nor waited on (a FIFO in
+    an object's place hung a restore for good, a link to /dev/zero streamed zeros)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            os.set_blocking(fd, True)
+    except OSError:
         os.close(fd)
-    return (
-        len(text) <= _MAX_MANIFEST
-        and hashlib.sha256(text).hexdigest() == path.name.removesuffix(".json")
-        and isinstance(data, dict)
-        and isinstance(data.get("blobs"), dict)
-        and "format" in data
-    )
+        raise
+    if not regular:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _value(digest: str, data: Mapping[str, Any], root: Path) -> Snapshot:

@@ -50,7 +50,7 @@ from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel
 from stockade.runs.seeds import pack_workspace, unpack_seed
-from stockade.runs.snapshots import erase_run_snapshots
+from stockade.runs.snapshots import release_run_snapshots
 from stockade.runs.store import RunStore
 from stockade.runtime.events import LimitHit, RuntimeEvent
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, gave_up
@@ -284,14 +284,8 @@ class Runner:
             # A run that ended for good lets go of the sandbox it kept while it waited: its
             # session does when it ends, but one that ended without (killed before its resume
             # began, a spec refused on resume, killed while paused) held it in snapshot_mb.
-            self._release_kept(run_id, tenant)
+            release_run_snapshots(self.config.snapshot_store(tenant), [run_id])
         return outcome
-
-    def _release_kept(self, run_id: str, tenant: Tenant) -> None:
-        try:
-            erase_run_snapshots(self.config.snapshot_store(tenant), [run_id])
-        except (exc.StockadeError, OSError) as error:  # the service's sweep drops it later
-            log.warning("run %s: its kept sandbox left for the service's sweep: %s", run_id, error)
 
     def _execute(self, run_id: str, tenant: Tenant | None) -> RunOutcome:
         row = self.store.run_head(run_id)  # the spec is read once the run has its turn
@@ -402,10 +396,7 @@ class Runner:
         # the session, so the service's own status keeps the word. Only over "running": a
         # kill written meanwhile stands
         if not self.store.set_status(run_id, status, error=result.error, only_from=("running",)):
-            now = self.store.run_head(run_id)
-            return RunOutcome(
-                run_id=run_id, status=now.status if now else "missing", error=now.error if now else None
-            )
+            return self._as_stored(run_id)
         return RunOutcome(run_id=run_id, status=status, error=result.error)
 
     def _conflict(self, run_id: str) -> RunOutcome:
@@ -468,6 +459,13 @@ class Runner:
         row = self.store.run_head(run_id)
         return row.error if row is not None else None
 
+    def _as_stored(self, run_id: str) -> RunOutcome:
+        """The run as its row says now (what another writer, a kill, left there)."""
+        now = self.store.run_head(run_id)
+        if now is None:
+            return RunOutcome(run_id=run_id, status="missing")
+        return RunOutcome(run_id=run_id, status=now.status, error=now.error)
+
     def _remember_share(self, run_id: str, share: Limits) -> None:
         """What a run waiting for room in its quota asks for, kept between its asks (bounded:
         a run forgotten is only read again)."""
@@ -481,10 +479,7 @@ class Runner:
         wait = max(hit.retry_after or 0.0, 1.0)
         why = f"{DEFERRED} {hit.kind} window ({hit.detail}); again in {wait:.0f} s"
         if not self.store.set_status(run_id, "queued", error=why, only_from=["running"]):
-            now = self.store.run_head(run_id)  # killed meanwhile: as it is
-            return RunOutcome(
-                run_id=run_id, status=now.status if now else "missing", error=now.error if now else None
-            )
+            return self._as_stored(run_id)  # killed meanwhile: as it is
         raise exc.RunDeferred(why, kind=hit.kind, retry_after=wait)
 
     def _still_waiting(self, row: RunRow, tenant: Tenant) -> exc.RunDeferred | None:
@@ -517,12 +512,7 @@ class Runner:
                 f"was submitted): {error}"
             )
             self.store.set_status(run_id, "error", error=why, only_from=[was])
-            now = self.store.run_head(run_id)
-            return RunOutcome(
-                run_id=run_id,
-                status=now.status if now is not None else "missing",
-                error=now.error if now else None,
-            )
+            return self._as_stored(run_id)
         try:
             self.store.hold_run(
                 run_id=run_id, tenant=tenant.id, worker=self.name, cpus=share.cpus, memory_mb=share.memory_mb,
@@ -542,7 +532,7 @@ class Runner:
             # kept past the agent's run, to the status written at its end: a kill in between
             # (the artifacts packed, the sandbox removed) found no lease, ended the run "killed"
             # and freed its quota while its sandbox lived, and the end written then over it
-            lease.enter_context(self.runs.claimed_ahead(run_id, new=not resume, kept=True))
+            lease.enter_context(self.runs.claimed_ahead(run_id, new=not resume))
         except exc.RunConflict:
             return self._conflict(run_id)
         # Only from where it waited to run (or ran, delivered again): a kill of the queued run
@@ -553,12 +543,7 @@ class Runner:
         ):
             return None
         self.store.drop_hold(run_id)
-        now = self.store.run_head(run_id)
-        return RunOutcome(
-            run_id=run_id,
-            status=now.status if now is not None else "missing",
-            error=now.error if now else None,
-        )
+        return self._as_stored(run_id)
 
     def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
         """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns)."""

@@ -42,7 +42,7 @@ import anyio
 from fastapi import APIRouter, Request, Response
 
 from stockade import exceptions as exc
-from stockade.runs.snapshots import erase_run_snapshots, kept_runs
+from stockade.runs.snapshots import kept_runs, release_run_snapshots
 from stockade.sandbox.snapshots import ROLE_KEY, MiB, SnapshotStore
 from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
@@ -66,16 +66,6 @@ def snapshot_out(snapshot: Snapshot, *, source: str | None = None, paused: str |
         id=snapshot.id, kind=snapshot.kind.value, tier=snapshot.tier, source=source or snapshot.source,
         taken_at=snapshot.taken_at, size_bytes=snapshot.size_bytes, paused=paused,
     )  # fmt: skip
-
-
-def release_run_snapshots(store: SnapshotStore, run_ids: list[str]) -> int:
-    """Erase the sandboxes these runs kept (they ended for good); how many had one. Never
-    fails the caller: what is left, the service drops at its next sweep (``drop_ended_runs``)."""
-    try:
-        return erase_run_snapshots(store, run_ids)
-    except (exc.StockadeError, OSError) as error:
-        log.warning("the kept sandboxes of runs %s left for the next sweep: %s", ", ".join(run_ids), error)
-        return 0
 
 
 def by_role(role: str | None) -> dict[str, str]:

@@ -12,7 +12,7 @@ import contextlib
 import posixpath
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from stockade.exceptions import LimitNotEnforceable, SandboxFileNotFound, ToolError, WorkspaceError
 from stockade.sandbox._rules import write_targets
@@ -216,12 +216,23 @@ def run_test_command(
         # over the cap or unreadable. Its exit code alone is not a pass.
         cap = MAX_REPORT_BYTES // 2**20
         doubt = f"pytest was asked for a JUnit report and left none readable (at most {cap} MiB)"
-    counted = unittest_counts(output) if runner == "unittest" else None
     if runner == "unittest":
         parsed = parse_unittest_output(output)
-        if counted is not None and counted.verdict_ok and counted.progress_failed and not parsed.verbose:
-            failing = counted.progress_failed
-            doubt = f"the progress line shows {failing} failed or errored, the summary after it OK"
+        counted = unittest_counts(output)
+        if counted is not None and not parsed.verbose:
+            if counted.verdict_ok and counted.progress_failed:
+                failing = counted.progress_failed
+                doubt = f"the progress line shows {failing} failed or errored, the summary after it OK"
+            if not parsed.empty:
+                # Without -v the summary counts what it does not name; with -v the lines are the
+                # count (a test can print a summary of its own, "Ran 500 tests ... OK", and end
+                # the process).
+                named = len(parsed.failed) + len(parsed.errored)
+                parsed = replace(
+                    parsed,
+                    passed_unnamed=max(counted.ran - named - counted.not_passed_unnamed, 0),
+                    skipped=max(parsed.skipped, counted.skipped),
+                )
         if parsed.empty:
             parsed = None
     if parsed is None:
@@ -234,23 +245,15 @@ def run_test_command(
             timed_out=result.timed_out,
             doubt=doubt,
         )
-    unnamed = parsed.passed_unnamed
-    skipped = parsed.skipped
-    # Without -v the summary counts what it does not name; with -v the lines are the count (a
-    # test can print a summary of its own, "Ran 500 tests ... OK", and end the process).
-    if runner == "unittest" and not parsed.verbose and counted is not None:
-        failed_or_errored = len(parsed.failed) + len(parsed.errored)
-        unnamed = max(counted.ran - failed_or_errored - counted.not_passed_unnamed, 0)
-        skipped = max(skipped, counted.skipped)
     return TestReport(
         command=command,
         runner=runner,
         exit_code=result.exit_code,
         passed=tuple(parsed.passed),
-        passed_unnamed=unnamed,
+        passed_unnamed=parsed.passed_unnamed,
         failed=tuple(parsed.failed),
         errored=tuple(parsed.errored),
-        skipped=skipped,
+        skipped=parsed.skipped,
         failures=tuple(parsed.failures),
         output=output,
         duration_s=duration,

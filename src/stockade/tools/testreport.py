@@ -265,25 +265,26 @@ def parse_unittest_output(output: str) -> ParsedTests:
             errored.append(test_id)
         else:
             skipped += 1
-    failures = [
-        TestFailure(
-            test_id=f"{where.removesuffix('.' + name)}::{name}",
-            kind="failed" if kind == "FAIL" else "error",
-            message=_cut(body.strip()),
-        )
-        for kind, name, where, body in _UNITTEST_BLOCK.findall(output)
-    ]
+    # Every failure block names its test; only the first MAX_FAILURES_SHOWN keep their text.
+    failures: list[TestFailure] = []
+    named: dict[str, list[str]] = {"FAIL": [], "ERROR": []}
+    for block in _UNITTEST_BLOCK.finditer(output):
+        kind, name, where = block.group(1, 2, 3)
+        test_id = f"{where.removesuffix('.' + name)}::{name}"
+        named[kind].append(test_id)
+        if len(failures) < MAX_FAILURES_SHOWN:
+            failures.append(
+                TestFailure(
+                    test_id=test_id,
+                    kind="failed" if kind == "FAIL" else "error",
+                    message=_cut(block.group(4).strip()),
+                )
+            )
     verbose = bool(passed or failed or errored or skipped)
     if not verbose:  # the failure blocks still name them
-        failed = [f.test_id for f in failures if f.kind == "failed"]
-        errored = [f.test_id for f in failures if f.kind == "error"]
+        failed, errored = named["FAIL"], named["ERROR"]
     return ParsedTests(
-        passed=passed,
-        failed=failed,
-        errored=errored,
-        skipped=skipped,
-        failures=failures[:MAX_FAILURES_SHOWN],
-        verbose=verbose,
+        passed=passed, failed=failed, errored=errored, skipped=skipped, failures=failures, verbose=verbose
     )
 
 

@@ -68,6 +68,38 @@ def test_a_missing_file_and_bytes_that_are_no_utf8_are_configuration_errors(tmp_
         read_config_text(tmp_path / "bad.toml", what="the tenants file")
 
 
+FIX = "give a readable text file, or - to read the code from standard input"
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("missing", "cannot read FILE '{path}': No such file or directory"),
+        ("fifo", "FILE '{path}' is a FIFO"),
+        ("folder", "FILE '{path}' is a folder"),
+        ("no utf-8", "FILE '{path}': byte 1 is not UTF-8 (it must be UTF-8 text)"),
+        ("too big", "FILE '{path}' is over 1 MiB, more than any FILE needs"),
+    ],
+)
+def test_a_file_a_command_argument_names_is_refused_with_the_arguments_own_fix(
+    tmp_path: Path, case: str, said: str
+) -> None:
+    """``run-code FILE``: whatever is wrong with the file, the error names the argument and
+    says what it takes, once (the command rebuilt each error to swap the fix before)."""
+    path = tmp_path / "code.py"
+    if case == "fifo":
+        os.mkfifo(path)
+    elif case == "folder":
+        path.mkdir()
+    elif case == "no utf-8":
+        path.write_bytes(b"x\xff")
+    elif case == "too big":
+        path.write_bytes(b"#" * ((1 << 20) + 1))
+    with pytest.raises(InvalidArgument) as caught:
+        read_config_text(path, what="FILE", max_bytes=1 << 20, fix=FIX)
+    assert str(caught.value) == f"{said.format(path=path)}; {FIX}" and caught.value.argument == "FILE"
+
+
 def test_a_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
     (tmp_path / "real.toml").write_text("[trust]\n")
     (tmp_path / "link.toml").symlink_to(tmp_path / "real.toml")

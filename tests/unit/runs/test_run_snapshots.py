@@ -3,9 +3,12 @@ snapshots are written as a tier writes them)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from stockade.runs.snapshots import RunSnapshots, erase_run_snapshots, ref_name
+import pytest
+
+from stockade.runs.snapshots import RunSnapshots, erase_run_snapshots, ref_name, release_run_snapshots
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import Limits, NetworkPolicy, Snapshot, SnapshotKind
 
@@ -57,6 +60,20 @@ def test_erasing_runs_removes_their_snapshots_and_nothing_else(tmp_path: Path) -
     assert store.ref("run", "run-2") == {"snapshot": stays.id, "run": "run-2"}
     assert [p.name for p in (store.root / "objects").iterdir()] == list(store.load(stays).blobs.values())
     assert gone.id not in {s.id for s in store.snapshots()}
+
+
+def test_releasing_ended_runs_sandboxes_never_fails_the_caller(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the runner and the service call once runs ended: a store that cannot be changed
+    leaves the snapshots to the next sweep, said in the log, and the run's end goes on."""
+    store = SnapshotStore(tmp_path / "s")
+    kept(store, "run-1", SnapshotKind.FILES, b"files")
+    (store.root / "reserved").write_text("not the store's folder")  # its lock cannot be taken
+    with caplog.at_level(logging.WARNING):
+        assert release_run_snapshots(store, ["run-1"]) == 0
+    assert "left for the next sweep" in caplog.text
+    assert release_run_snapshots(SnapshotStore(tmp_path / "none"), ["run-1"]) == 0
 
 
 def test_no_run_id_names_another_runs_ref() -> None:

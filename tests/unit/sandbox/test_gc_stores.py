@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from stockade import SnapshotKind, SnapshotStore
 from stockade.sandbox._gc import snapshot_stores
 from stockade.sandbox.snapshots import MARKER
@@ -114,7 +116,7 @@ def test_a_store_an_older_version_made_without_a_mark_is_collected_and_marked(tm
     _keep(old, b"kept")
     (old.root / MARKER).unlink()  # as versions before the mark left it
     assert [store.root for store in snapshot_stores(service)] == [old.root]
-    assert old.collect() == [f"snapshot object {orphan.name[:16]}"]
+    assert SnapshotStore(old.root).collect() == [f"snapshot object {orphan.name[:16]}"]  # as gc opens it
     assert (old.root / MARKER).is_file()
 
 
@@ -125,8 +127,30 @@ def test_an_unmarked_folder_is_no_older_store_unless_its_layout_is_one(tmp_path:
     made.add_bytes(b"x")
     (made.root / MARKER).unlink()
     (made.root / "notes.txt").write_text("mine")  # something no store writes
-    assert not made.recognised()
+    assert not SnapshotStore(made.root).recognised()
     lookalike = tmp_path / "lookalike"
     (lookalike / "snapshots").mkdir(parents=True)
     (lookalike / "snapshots" / ("0" * 64 + ".json")).write_text('{"format": 1, "blobs": {}}')  # not its hash
     assert not SnapshotStore(lookalike).recognised()
+
+
+def test_a_store_reads_its_mark_once_and_knows_itself_from_then_on(tmp_path: Path) -> None:
+    """The mark was looked for at every write and read again at every collection: a store
+    that knows its folder is a store keeps knowing (another, opened later, reads it anew)."""
+    store = SnapshotStore(tmp_path / "store")
+    orphan = _orphan(store)
+    assert store.recognised()
+    (store.root / MARKER).unlink()
+    (store.root / "notes.txt").write_text("mine")  # and no older store's layout either
+    assert store.recognised() and not SnapshotStore(store.root).recognised()
+    assert store.collect() == [f"snapshot object {orphan.name[:16]}"]
+
+
+@pytest.mark.parametrize("place", [MARKER, "snapshots/" + "0" * 64 + ".json"])
+def test_a_fifo_where_a_store_looks_is_no_store_and_is_not_waited_on(tmp_path: Path, place: str) -> None:
+    """The mark and an unmarked store's manifests are opened as regular files only: a FIFO
+    there (no writer) would hang gc."""
+    (tmp_path / "objects").mkdir()
+    (tmp_path / "snapshots").mkdir()
+    os.mkfifo(tmp_path / place)
+    assert not SnapshotStore(tmp_path).recognised()

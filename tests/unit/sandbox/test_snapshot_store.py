@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -155,6 +156,17 @@ def test_a_modified_manifest_or_object_is_refused(tmp_path: Path) -> None:
         store.load("snap-" + "0" * 32)
     with pytest.raises(SnapshotNotFound):
         store.load("../../etc/passwd")
+
+
+def test_a_manifest_that_hashes_to_its_name_but_is_no_object_is_refused_as_corrupt(tmp_path: Path) -> None:
+    # Its hash right, a JSON list failed with AttributeError where SnapshotCorrupt is promised.
+    store = SnapshotStore(tmp_path)
+    _snapshot(store, b"payload")
+    text = b"[1, 2]"
+    digest = hashlib.sha256(text).hexdigest()
+    (tmp_path / "snapshots" / f"{digest}.json").write_bytes(text)
+    with pytest.raises(SnapshotCorrupt, match="modified"):
+        store.load("snap-" + digest[:32])
 
 
 def test_an_object_damaged_on_disk_is_made_whole_by_the_next_snapshot_of_its_bytes(tmp_path: Path) -> None:

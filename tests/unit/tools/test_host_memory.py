@@ -31,6 +31,7 @@ from stockade.tools.testreport import (
     MAX_REPORT_BYTES,
     TestReport,
     parse_junit_xml,
+    parse_unittest_output,
 )
 from stockade.types import CommandResult
 
@@ -212,3 +213,22 @@ def test_a_report_just_under_the_cap_costs_the_host_its_counts_not_a_tree(case: 
     assert len(parsed.passed) <= MAX_NAMED_PASSES and len(parsed.failures) <= MAX_FAILURES_SHOWN
     if parsed.failed:
         assert f"({cases - MAX_FAILURES_SHOWN} more failed or errored tests not shown)" in shown
+
+
+def test_a_quiet_unittest_run_with_thousands_of_failures_keeps_fifty_messages_and_names_all() -> None:
+    """Every failure block's text was cut and kept before all but 50 were dropped: 5,000
+    failures of 4 KB (20 MB of output) took 40 MB of the host to show 50 of them."""
+    trace = "Traceback (most recent call last):\n" + "  x\n" * 1000 + "AssertionError\n"
+    blocks = "".join(
+        f"{'=' * 70}\nFAIL: test_{i} (test_m.T.test_{i})\n{'-' * 70}\n{trace}\n" for i in range(5000)
+    )
+    output = f"{'F' * 5000}\n{blocks}{'-' * 70}\nRan 5000 tests in 1.0s\n\nFAILED (failures=5000)\n"
+    tracemalloc.start()
+    try:
+        parsed = parse_unittest_output(output)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MiB"
+    assert len(parsed.failed) == 5000 and parsed.failed[-1] == "test_m.T::test_4999"
+    assert [f.test_id for f in parsed.failures] == [f"test_m.T::test_{i}" for i in range(MAX_FAILURES_SHOWN)]

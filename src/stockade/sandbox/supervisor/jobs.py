@@ -46,7 +46,8 @@ HOLD_CAP_S = 900.0
 
 
 class Job:
-    def __init__(self, sup: "Supervisor", rid: int) -> None:
+    def __init__(self, sup: "Supervisor", rid: int, h: "dict[str, Any]") -> None:
+        """Run ``rid``, asked by the host's request ``h``."""
         self.sup = sup
         self.rid = rid
         self.started = time.monotonic()
@@ -72,7 +73,7 @@ class Job:
         # ``sleep``) stopped the clock for ever.
         self.held = 0
         self.held_since = 0.0
-        self.hold_cap = HOLD_CAP_S
+        self.hold_cap = float(h.get("approval_wait", HOLD_CAP_S))
         self.credited = 0.0  # of hold_cap, taken by the waits ended so far
 
     def hold(self) -> None:
@@ -264,8 +265,8 @@ class Outputs:
 
 
 class CommandJob(Job):
-    def __init__(self, sup: "Supervisor", rid: int) -> None:
-        super().__init__(sup, rid)
+    def __init__(self, sup: "Supervisor", rid: int, h: "dict[str, Any]") -> None:
+        super().__init__(sup, rid, h)
         self.shim = 0
         self.status: Optional[int] = None
         self.out = Outputs(sup, ("out", self))
@@ -291,10 +292,9 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
     cwd = h.get("cwd") or sup.workspace.root
     if not cwd.startswith("/"):
         cwd = sup.workspace.root + "/" + cwd
-    job = CommandJob(sup, rid)
+    job = CommandJob(sup, rid, h)
     timeout = h.get("timeout")
     job.deadline = time.monotonic() + float(timeout if timeout else sup.default_timeout)
-    job.hold_cap = float(h.get("approval_wait", HOLD_CAP_S))
     interp = sup.interpreter
     starts_code(sup, job, interp is None or not interp.used)
     made: list[int] = []

@@ -18,7 +18,7 @@ import time
 from select import EPOLLIN as EVENT_READ
 
 from fileops import _write_all
-from jobs import HOLD_CAP_S, Job, Outputs, starts_code
+from jobs import Job, Outputs, starts_code
 from protocol import (
     CODE_REPORT_MARKS,
     MAX_CODE_REPLY,
@@ -108,10 +108,9 @@ def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, i
 
 def op_code(sup: "Supervisor", rid: int, h: "dict[str, Any]", body: bytes) -> None:
     """A run of ``run_code``: queued for the interpreter, started first if there is none."""
-    job = Job(sup, rid)
+    job = Job(sup, rid, h)
     timeout = h.get("timeout")
     job.timeout = float(timeout if timeout else sup.default_timeout)  # type: ignore[attr-defined]
-    job.hold_cap = float(h.get("approval_wait", HOLD_CAP_S))
     queue_code(sup, job, body)
 
 
@@ -124,8 +123,7 @@ def queue_code(sup: "Supervisor", job: Job, body: bytes) -> None:
                 raise
             # No zygote, and we may not fork one (we have served someone else): the
             # run's answer, as when code kills its interpreter, until a reset.
-            error = {"name": "KernelDied", "value": exc.strerror, "traceback": ""}
-            sup.finish_code(job, dumps({"results": [], "error": error}).encode())
+            _died(sup, job, exc.strerror or str(exc))
             return
     job.deadline = None
     sup.interpreter.queue.append((job, body))
@@ -140,12 +138,10 @@ def cancel_code(sup: "Supervisor", rid: int) -> None:
     interp = sup.interpreter
     if interp is None:
         return
-    error = {"name": "KernelDied", "value": "cancelled by the host", "traceback": ""}
-    cancelled = {"results": [], "error": error}
     for i, (job, _) in enumerate(interp.queue):
         if job.rid == rid:
             del interp.queue[i]
-            sup.finish_code(job, dumps(cancelled).encode())
+            _died(sup, job, "cancelled by the host")
             return
     if interp.job is None or interp.job.rid != rid:
         return
@@ -161,9 +157,13 @@ def requeue(sup: "Supervisor", behind: "list[tuple[Job, bytes]]") -> None:
         try:
             queue_code(sup, job, body)
         except OSError as exc:
-            why = exc.strerror or str(exc)
-            error = {"name": "KernelDied", "value": f"the interpreter cannot start: {why}", "traceback": ""}
-            sup.finish_code(job, dumps({"results": [], "error": error}).encode())
+            _died(sup, job, f"the interpreter cannot start: {exc.strerror or exc}")
+
+
+def _died(sup: "Supervisor", job: Job, why: str) -> None:
+    """Answer a run that no interpreter runs: ``KernelDied``, saying ``why``."""
+    error = {"name": "KernelDied", "value": why, "traceback": ""}
+    sup.finish_code(job, dumps({"results": [], "error": error}).encode())
 
 
 class Interpreter:
