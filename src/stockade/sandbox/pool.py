@@ -66,7 +66,12 @@ class _Member:
 
 class _Lease(WrapperInstance):
     """One user's hold on a member. It stops working when the member goes back, so a handle
-    kept past its ``acquire`` block never reaches the next user's sandbox."""
+    kept past its ``acquire`` block never reaches the next user's sandbox.
+
+    Every way through to the member is here (``WrapperInstance`` forwards all of them): a
+    call, a cut, a close, ``alive``. Each checks the end under the lock and counts as a call
+    in flight while it runs, so one racing the block's end has the member replaced, not
+    reset for the next user (a kept watchdog's cut went through and killed user 2's code)."""
 
     def __init__(self, wrapped: Instance) -> None:
         super().__init__(wrapped)
@@ -74,7 +79,9 @@ class _Lease(WrapperInstance):
         self._ended = False
         self._calls = 0  # in flight
 
-    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[Instance]:
+        """The member, for one call through this lease; ``SandboxClosed`` once it went back."""
         with self._lock:
             if self._ended:
                 raise exc.SandboxClosed(
@@ -82,10 +89,19 @@ class _Lease(WrapperInstance):
                 )
             self._calls += 1
         try:
-            return self.wrapped.handle(op, sink)
+            yield self.wrapped
         finally:
             with self._lock:
                 self._calls -= 1
+
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        with self._reaching() as member:
+            return member.handle(op, sink)
+
+    def cut_running(self) -> None:
+        # A cut is nothing to stop once the block ended: what runs then is the next user's.
+        with contextlib.suppress(exc.SandboxClosed), self._reaching() as member:
+            member.cut_running()
 
     def end(self) -> bool:
         """No more calls through this lease; whether one was still running (from another thread)."""
@@ -94,12 +110,14 @@ class _Lease(WrapperInstance):
             return self._calls > 0
 
     def close(self) -> None:
-        if not self._ended:  # the user's own close: the member is replaced
-            self.wrapped.close()
+        # the user's own close: the member is replaced; after the block, nothing of the next user's
+        with contextlib.suppress(exc.SandboxClosed), self._reaching() as member:
+            member.close()
 
     @property
     def alive(self) -> bool:
-        return not self._ended and self.wrapped.alive
+        with self._lock:
+            return not self._ended and self.wrapped.alive
 
 
 class SandboxPool:
