@@ -7,11 +7,12 @@
 
 A returned sandbox is never handed out dirty: it is reset in the background (every process
 killed, every writable place emptied, the settings code can change put back, no socket left
-that no process holds, and a fresh
-interpreter forked from a process that never saw any user, so nothing of one user's memory
-reaches the next) or, past ``max_uses``, when it broke or when the reset could not make it as
-fresh as it started, closed and replaced. Members are recycled in parallel: one slow reset never holds up the
-others. Members idle past ``idle_timeout_s`` are replaced too, so nothing ages in the pool.
+that no process holds, and a fresh interpreter forked from a process that never saw any
+user, so nothing of one user's memory reaches the next; its egress proxy's credentials are
+read again from their sources) or, past ``max_uses``, when it broke or when the reset could
+not make it as fresh as it started, closed and replaced. Members are recycled in parallel:
+one slow reset never holds up the others. Members idle past ``idle_timeout_s`` are replaced
+too, so nothing ages in the pool.
 
 A pool filled from a snapshot (``snapshot=``) hands out sandboxes as the snapshot has them
 (files, and memory where the tier keeps it); a returned one is replaced by a new one from
