@@ -70,27 +70,37 @@ class _Lease(WrapperInstance):
     kept past its ``acquire`` block never reaches the next user's sandbox.
 
     Every way through to the member is here (``WrapperInstance`` forwards all of them): a
-    call, a cut, a close, ``alive``. Each checks the end under the lock and counts as a call
-    in flight while it runs, so one racing the block's end has the member replaced, not
-    reset for the next user (a kept watchdog's cut went through and killed user 2's code)."""
+    call, a cut, a close, ``alive``, ``wrapped`` itself. Each checks the end under the lock,
+    and a call or a cut counts as one in flight while it runs, so one racing the block's end
+    has the member replaced, not reset for the next user (a kept watchdog's cut went through
+    and killed user 2's code)."""
 
     def __init__(self, wrapped: Instance) -> None:
-        super().__init__(wrapped)
         self._lock = threading.Lock()
         self._ended = False
         self._calls = 0  # in flight
+        super().__init__(wrapped)
+
+    @property
+    def wrapped(self) -> Instance:
+        with self._lock:
+            if self._ended:
+                raise _went_back()
+            return self._member
+
+    @wrapped.setter
+    def wrapped(self, member: Instance) -> None:
+        self._member = member
 
     @contextlib.contextmanager
     def _reaching(self) -> Iterator[Instance]:
         """The member, for one call through this lease; ``SandboxClosed`` once it went back."""
         with self._lock:
             if self._ended:
-                raise exc.SandboxClosed(
-                    "this sandbox went back to its pool when its acquire() block ended: acquire another"
-                )
+                raise _went_back()
             self._calls += 1
         try:
-            yield self.wrapped
+            yield self._member
         finally:
             with self._lock:
                 self._calls -= 1
@@ -118,7 +128,13 @@ class _Lease(WrapperInstance):
     @property
     def alive(self) -> bool:
         with self._lock:
-            return not self._ended and self.wrapped.alive
+            return not self._ended and self._member.alive
+
+
+def _went_back() -> exc.SandboxClosed:
+    return exc.SandboxClosed(
+        "this sandbox went back to its pool when its acquire() block ended: acquire another"
+    )
 
 
 class SandboxPool:

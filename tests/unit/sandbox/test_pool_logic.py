@@ -103,6 +103,8 @@ def test_a_handle_kept_past_its_block_neither_cuts_nor_closes_the_next_users_san
             assert theirs.id == member.id and member.cuts == 1
             with pytest.raises(SandboxClosed, match="went back to its pool"):
                 kept.execute(RunCode(code="x"))
+            with pytest.raises(SandboxClosed):
+                assert isinstance(kept, WrapperInstance) and kept.wrapped  # nor what it wraps
             kept.cut_running()
             kept.close()
             assert member.cuts == 1 and theirs.alive and not kept.alive
