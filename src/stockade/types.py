@@ -278,7 +278,9 @@ _LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
 
 class SecretSource(Protocol):
     """Where a credential's value comes from, read on the host when a sandbox's egress proxy
-    starts (``stockade.egress.EnvSecret``, ``FileSecret``, or your own, e.g. a vault)."""
+    starts and again at each reset of the sandbox for a pool's next user
+    (``stockade.egress.EnvSecret``, ``FileSecret``, or your own, e.g. a vault). A failure is
+    a ``StockadeError`` of its own or becomes a ``SandboxStartError``."""
 
     def read(self) -> str: ...
 

@@ -23,13 +23,21 @@ from typing import Any
 
 import pytest
 
-from stockade import LimitNotEnforceable, Limits, Sandbox, SnapshotKind, SnapshotStore
+from stockade import (
+    LimitNotEnforceable,
+    Limits,
+    Sandbox,
+    SandboxPool,
+    SandboxStartError,
+    SnapshotKind,
+    SnapshotStore,
+)
 from stockade.audit.events import EventKind
 from stockade.audit.sandbox import AuditedBackend
 from stockade.sandbox import _registry
 from stockade.sandbox.ops import PutArchive
 from stockade.testing import capture_audit
-from stockade.types import NetworkPolicy
+from stockade.types import Credential, NetworkPolicy
 from tests.conftest import host_processes, require, require_tier, wait_for
 from tests.egress_servers import HEADER_NAME_ECHOES, MIXED_TOKEN, REFUSED_ECHOES, TOKEN, Servers, servers
 from tests.integration.conftest import TIERS
@@ -790,6 +798,52 @@ def test_a_reset_renews_the_relay_in_place_for_the_next_user(egress_tier: str, l
             r = sbx.commands.run(run)
             assert r.stdout.split() == expected, (user, r.stdout + r.stderr)
         assert "/left-open" not in local.http_seen.paths, "the last user's request went on"
+
+
+class Rotating:
+    """A secret source whose value the test rotates, or makes unreadable (a vault down)."""
+
+    def __init__(self, value: str) -> None:
+        self.value: str | None = value
+        self.reads = 0
+
+    def read(self) -> str:
+        self.reads += 1
+        if self.value is None:
+            raise ConnectionError("the vault is down")
+        return self.value
+
+
+def test_a_pools_next_user_gets_the_credential_as_its_source_says_now(
+    egress_tier: str, local: Servers
+) -> None:
+    """A member kept the value its proxy read when it started, for every later user (up to
+    ``max_uses``): a secret rotated, the old one revoked, was still sent. A reset reads it
+    again; a source that cannot be read has the member replaced, and the acquirer told."""
+    source = Rotating("OLD-SECRET")
+    policy = local.policy(credentials=(Credential(name="api", hosts=("api.test",), source=source),))
+    fetch = f"curl -sS https://api.test:{local.https_port}/auth"
+    with SandboxPool(egress_tier, size=1, limits=LIMITS, network=policy) as pool:
+        with pool.acquire() as sbx:
+            first = sbx.id
+            assert sbx.commands.run(fetch).stdout == "https authorized=True", "curl in the image?"
+            assert local.https_seen.authorizations[-1] == "Bearer OLD-SECRET"
+        source.value = "NEW-SECRET"  # rotated: the old one revoked
+        for _ in range(2):
+            with pool.acquire() as sbx:
+                assert sbx.id == first, f"replaced, not reset: {pool.stats().last_replaced_why}"
+                assert sbx.commands.run(fetch).stdout == "https authorized=True"
+                assert local.https_seen.authorizations[-1] == "Bearer NEW-SECRET"
+        source.value = None
+        wait_for(lambda: pool.stats().replaced == 1, what="the member to be replaced", timeout_s=60)
+        assert "ConnectionError" in pool.stats().last_replaced_why
+        with pytest.raises(SandboxStartError, match="credential 'api'"), pool.acquire(timeout_s=30):
+            pass
+        source.value = "NEWER-SECRET"  # back: the pool fills again
+        wait_for(lambda: pool.stats().ready == 1, what="a new member", timeout_s=60)
+        with pool.acquire() as sbx:
+            assert sbx.commands.run(fetch).stdout == "https authorized=True"
+            assert local.https_seen.authorizations[-1] == "Bearer NEWER-SECRET"
 
 
 # The last user's code leaves K connections to the relay, on each a slow GET (answered after

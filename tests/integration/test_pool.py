@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from stockade import Limits, SandboxRules
 from stockade import exceptions as exc
 from stockade.sandbox.pool import SandboxPool
+from stockade.types import CommandResult, Execution
 from tests.conftest import wait_for
 
 
@@ -76,6 +79,36 @@ def test_a_handle_kept_past_its_block_never_reaches_the_next_user(tier: str) -> 
             assert not mine.alive and theirs.alive
             assert theirs.files.read("key.txt") == "user two's"
             assert "mine" in str(theirs.run_code("print('mine')").logs.stdout)
+
+
+def test_a_handle_kept_past_its_block_cuts_nothing_of_the_next_users(tier: str) -> None:
+    """A watchdog kept ``sbx.instance`` to cut a call at its deadline: after the block its cut
+    killed the next user's code (KernelDied, the interpreter restarted) and command (137)."""
+    with SandboxPool(tier, size=1, max_uses=10, limits=Limits(timeout_s=60)) as pool:
+        with pool.acquire() as mine:
+            kept = mine.instance
+        with pool.acquire() as theirs:
+            waits = "import os, time\nopen('running', 'w').close()\n"
+            waits += "while not os.path.exists('go'): time.sleep(0.05)\n"
+            ended: list[object] = []
+            for call in (
+                lambda: theirs.run_code(waits + "print('finished')"),
+                lambda: theirs.commands.run(
+                    "touch running; while [ ! -e go ]; do sleep 0.05; done; echo finished"
+                ),
+            ):
+                user = threading.Thread(target=lambda call=call: ended.append(call()))
+                user.start()
+                wait_for(lambda: theirs.files.exists("running"), what="the next user's call", timeout_s=30)
+                kept.cut_running()
+                theirs.files.write("go", "")
+                user.join(30)
+                theirs.files.remove("running")
+                theirs.files.remove("go")
+            code, command = ended
+            assert isinstance(code, Execution) and isinstance(command, CommandResult)
+            assert code.error is None and code.logs.stdout == "finished\n" and not code.timed_out
+            assert command.exit_code == 0 and command.stdout == "finished\n" and not command.timed_out
 
 
 def test_every_user_of_a_pool_under_rules_is_under_them(tier: str) -> None:

@@ -2,9 +2,10 @@
 
 ``Gate`` holds the sandbox's side of every request: the policy's verdict (``Judge``), the
 per-minute limits, the address a name may lead to, the redirects, the credentials' values
-(read once, on the host, and kept nowhere else) and the ``EgressRecord`` of each request
-for the observer (the audit trail). The HTTP exchange (``_http``) and the tunnels
-(``_tunnel``) ask it; it does no I/O but the resolver's.
+(read on the host at the start and again for each next user, ``renew``, and kept nowhere
+else) and the ``EgressRecord`` of each request for the observer (the audit trail). The
+HTTP exchange (``_http``) and the tunnels (``_tunnel``) ask it; it does no I/O but the
+resolver's (and the credentials' sources, read by the proxy off its loop).
 """
 
 from __future__ import annotations
@@ -22,9 +23,18 @@ from dataclasses import replace
 from stockade.egress._resolve import LOOKUP_TIMEOUT_S, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
 from stockade.egress._streams import Buffers
+from stockade.exceptions import SandboxStartError, StockadeError
 from stockade.types import Credential, EgressRecord, NetworkPolicy
 
-__all__ = ["MAX_REDIRECT_BASE", "EgressObserver", "Gate", "Refused", "Window", "credential_value"]
+__all__ = [
+    "MAX_REDIRECT_BASE",
+    "EgressObserver",
+    "Gate",
+    "Refused",
+    "Window",
+    "credential_value",
+    "read_secrets",
+]
 
 MAX_REDIRECT_BASE = 8192
 RATE_RULE = "max_requests_per_minute"
@@ -76,8 +86,9 @@ class Gate:
         self.bytes = Window(policy.max_bytes_per_minute)
         self.observer_failures = 0
         self.buffers = Buffers()  # what the sandbox's connections hold in the host's memory
-        # Read once, here, on the host: the values live in this object and nowhere else.
-        self.secrets: dict[str, str] = {c.name: c.source.read() for c in policy.credentials}
+        # Read here, on the host (and again at each ``renew``): the values live in this object
+        # and nowhere else.
+        self.secrets: dict[str, str] = read_secrets(policy)
         self._upstream_tls: ssl.SSLContext | None = None
         self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
         self._forms: dict[str, list[bytes]] = {}  # each credential's value as scrubbed (``secrets_for``)
@@ -270,13 +281,27 @@ class Gate:
                 self.observer_failures += 1
 
     def renew(self) -> None:
-        """The budgets per minute afresh, for the sandbox's next user (its refusals past the
-        rate told first)."""
+        """For the sandbox's next user: the budgets per minute afresh (its refusals past the
+        rate told first), the resolver's answers and lookups forgotten (else the next user
+        learns by timing which names the last one asked for, and its stuck lookups hold the
+        next user's slots), and the credentials' values dropped: the proxy reads them again
+        (``read_secrets``, off this loop) and gives them with ``use_secrets``, so a value
+        rotated since the sandbox started is not sent for the next user."""
         self._tell_over_rate(ended=True)
         self.flush()
         self.requests = Window(self.policy.max_requests_per_minute)
         self.bytes = Window(self.policy.max_bytes_per_minute)
         self._over_rate_recorded = False
+        forget = getattr(self.resolver, "forget", None)  # a resolver of the caller's may have none
+        if callable(forget):
+            forget()
+        self.use_secrets({})
+
+    def use_secrets(self, secrets: dict[str, str]) -> None:
+        """Send these values from now on (``read_secrets``); the forms scrubbed follow them."""
+        self.secrets = dict(secrets)
+        self._forms.clear()
+        self._redaction = None
 
     def close(self) -> None:
         """Tell the observer what is held, then drop the credentials."""
@@ -285,6 +310,23 @@ class Gate:
         self.secrets.clear()
         self._forms.clear()
         self._redaction = None
+
+
+def read_secrets(policy: NetworkPolicy) -> dict[str, str]:
+    """Each credential's value, from its source (on the host; it may block, a vault asked).
+    A source's own failure that is no ``StockadeError`` is a ``SandboxStartError`` (it may
+    be passing: a vault down), its message not quoted (it may hold what was read)."""
+    secrets: dict[str, str] = {}
+    for credential in policy.credentials:
+        try:
+            secrets[credential.name] = credential.source.read()
+        except StockadeError:
+            raise
+        except Exception as err:
+            raise SandboxStartError(
+                f"credential {credential.name!r}: its source could not be read ({type(err).__name__})"
+            ) from err
+    return secrets
 
 
 def credential_value(credential: Credential, secret: str) -> bytes:

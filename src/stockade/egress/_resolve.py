@@ -40,6 +40,9 @@ class NotAName(StockadeError):
 
 
 class Resolver(Protocol):
+    """How the proxy finds addresses. One with a ``forget()`` (``SystemResolver``) has it
+    called when the sandbox passes to its next user (``Gate.renew``)."""
+
     async def resolve(self, host: str, port: int) -> list[str]:
         """The addresses of ``host`` (empty when it has none); ``NotAName`` for no DNS name."""
         ...
@@ -106,6 +109,14 @@ class SystemResolver:
                     self._cache.clear()
             self._cache[(host, port)] = (now + self.ttl_s, list(found))
         return found
+
+    def forget(self) -> None:
+        """As if new, for the sandbox's next user: no answer kept (its timing told which names
+        the last user asked for) and every lookup slot free (the last user's stuck lookups
+        held them). A lookup still running frees the slot it took, of a semaphore nobody
+        waits on any more; its answer goes to a request that was cut."""
+        self._cache = {}
+        self._threads = None
 
     async def lookup(self, host: str, port: int) -> list[str]:
         """Ask the host's resolver, on a thread of this resolver's once one is free."""

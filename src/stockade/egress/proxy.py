@@ -44,7 +44,8 @@ import ssl
 from typing import Any
 
 from stockade import _exit
-from stockade.egress._gate import EgressObserver, Gate, Window
+from stockade._threads import off_loop
+from stockade.egress._gate import EgressObserver, Gate, Window, read_secrets
 from stockade.egress._http import Exchange, load_h11
 from stockade.egress._resolve import Resolver, SystemResolver
 from stockade.egress._streams import BUFFERED_LIMIT, Plain, wrap
@@ -232,8 +233,12 @@ class EgressProxy:
         """For the sandbox's next user (a reset in place): every connection of the last user's
         cut, its requests in flight too (recorded, status 0) and those waiting in the socket's
         backlog; the connections kept to servers closed; the budgets per minute afresh; the
-        TLS contexts of the hosts it named dropped. The policy, its credentials and the CA
-        stay: they are the sandbox's, not the user's."""
+        TLS contexts of the hosts it named dropped; the resolver's answers and lookups
+        forgotten; the credentials' values read again from their sources (on a thread of
+        stockade's, not this loop: a vault may be slow), so a secret rotated since the sandbox
+        started is not sent for its next user. A read that fails leaves the proxy holding no
+        value and raises (``read_secrets``): the sandbox is not handed on. The policy and the
+        CA stay: they are the sandbox's, not the user's."""
         if self._closed:
             return
         self._generation += 1  # accepted and not yet served: closed when their task runs
@@ -248,7 +253,11 @@ class EgressProxy:
         self.exchange.upstreams.drop()
         if self.tunnels.ca is not None:
             self.tunnels.ca.forget()
-        self.gate.renew()
+        self.gate.renew()  # the last values dropped first: a failed read leaves none
+        if self.policy.credentials:
+            secrets = await off_loop(read_secrets, self.policy)
+            if not self._closed:  # closed meanwhile (the reset gave up): nothing to hold them for
+                self.gate.use_secrets(secrets)
 
     def _refuse_backlog(self) -> None:
         """Close what the last user's code connected and the proxy had not accepted yet."""

@@ -44,7 +44,8 @@ class EgressHandle(Protocol):
 
     def renew(self) -> None:
         """For the sandbox's next user (a reset): the last user's connections and requests
-        in flight cut, the connections kept to servers closed, the budgets afresh."""
+        in flight cut, the connections kept to servers closed, the budgets afresh, the
+        credentials read again (raises when one cannot be: the sandbox is not handed on)."""
         ...
 
     def close(self) -> None:

@@ -383,7 +383,18 @@ class SupervisedInstance(Instance):
             # After the supervisor's reset (the last user's code gone, the relay renewed): the
             # host's proxy too, or a request pipelined by the last user would go out later,
             # in the next user's session, and the budgets and kept connections carry over.
-            self.boundary.egress.renew()
+            # Its credentials are read again there: one that cannot be read closes the sandbox.
+            try:
+                self.boundary.egress.renew()
+            except exc.StockadeError:
+                self.close()
+                raise
+            except Exception as err:
+                self.close()
+                raise exc.SandboxCrashed(
+                    f"sandbox {self.id} could not be reset (its egress proxy was not renewed: "
+                    f"{type(err).__name__}); it was closed: create a new one"
+                ) from err
 
     # -- snapshots ----------------------------------------------------------------------
 

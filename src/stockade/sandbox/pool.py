@@ -7,11 +7,12 @@
 
 A returned sandbox is never handed out dirty: it is reset in the background (every process
 killed, every writable place emptied, the settings code can change put back, no socket left
-that no process holds, and a fresh
-interpreter forked from a process that never saw any user, so nothing of one user's memory
-reaches the next) or, past ``max_uses``, when it broke or when the reset could not make it as
-fresh as it started, closed and replaced. Members are recycled in parallel: one slow reset never holds up the
-others. Members idle past ``idle_timeout_s`` are replaced too, so nothing ages in the pool.
+that no process holds, and a fresh interpreter forked from a process that never saw any
+user, so nothing of one user's memory reaches the next; its egress proxy's credentials are
+read again from their sources) or, past ``max_uses``, when it broke or when the reset could
+not make it as fresh as it started, closed and replaced. Members are recycled in parallel:
+one slow reset never holds up the others. Members idle past ``idle_timeout_s`` are replaced
+too, so nothing ages in the pool.
 
 A pool filled from a snapshot (``snapshot=``) hands out sandboxes as the snapshot has them
 (files, and memory where the tier keeps it); a returned one is replaced by a new one from
@@ -66,26 +67,52 @@ class _Member:
 
 class _Lease(WrapperInstance):
     """One user's hold on a member. It stops working when the member goes back, so a handle
-    kept past its ``acquire`` block never reaches the next user's sandbox."""
+    kept past its ``acquire`` block never reaches the next user's sandbox.
+
+    Every way through to the member is here (``WrapperInstance`` forwards all of them): a
+    call, a cut, a close, ``alive``, ``wrapped`` itself. Each checks the end under the lock,
+    and a call or a cut counts as one in flight while it runs, so one racing the block's end
+    has the member replaced, not reset for the next user (a kept watchdog's cut went through
+    and killed user 2's code)."""
 
     def __init__(self, wrapped: Instance) -> None:
-        super().__init__(wrapped)
         self._lock = threading.Lock()
         self._ended = False
         self._calls = 0  # in flight
+        super().__init__(wrapped)
 
-    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+    @property
+    def wrapped(self) -> Instance:
         with self._lock:
             if self._ended:
-                raise exc.SandboxClosed(
-                    "this sandbox went back to its pool when its acquire() block ended: acquire another"
-                )
+                raise _went_back()
+            return self._member
+
+    @wrapped.setter
+    def wrapped(self, member: Instance) -> None:
+        self._member = member
+
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[Instance]:
+        """The member, for one call through this lease; ``SandboxClosed`` once it went back."""
+        with self._lock:
+            if self._ended:
+                raise _went_back()
             self._calls += 1
         try:
-            return self.wrapped.handle(op, sink)
+            yield self._member
         finally:
             with self._lock:
                 self._calls -= 1
+
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        with self._reaching() as member:
+            return member.handle(op, sink)
+
+    def cut_running(self) -> None:
+        # A cut is nothing to stop once the block ended: what runs then is the next user's.
+        with contextlib.suppress(exc.SandboxClosed), self._reaching() as member:
+            member.cut_running()
 
     def end(self) -> bool:
         """No more calls through this lease; whether one was still running (from another thread)."""
@@ -94,12 +121,20 @@ class _Lease(WrapperInstance):
             return self._calls > 0
 
     def close(self) -> None:
-        if not self._ended:  # the user's own close: the member is replaced
-            self.wrapped.close()
+        # the user's own close: the member is replaced; after the block, nothing of the next user's
+        with contextlib.suppress(exc.SandboxClosed), self._reaching() as member:
+            member.close()
 
     @property
     def alive(self) -> bool:
-        return not self._ended and self.wrapped.alive
+        with self._lock:
+            return not self._ended and self._member.alive
+
+
+def _went_back() -> exc.SandboxClosed:
+    return exc.SandboxClosed(
+        "this sandbox went back to its pool when its acquire() block ended: acquire another"
+    )
 
 
 class SandboxPool:

@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 
 import pytest
 
+from stockade import SandboxStartError
 from stockade.egress import EgressProxy, EnvSecret, Judge, NetworkPolicy, SystemResolver, _loop
 from stockade.egress._gate import Gate
+from stockade.egress._resolve import MAX_LOOKUPS
 from stockade.egress._rules import KEPT
 from stockade.egress._streams import CHUNK, Plain, wrap
 from stockade.egress._tls import CONTEXTS_KEPT
@@ -109,6 +111,74 @@ def test_the_tls_contexts_of_opened_hosts_are_bounded_and_dropped_at_renew() -> 
         assert len(ca._contexts) == 0
     finally:
         _loop.call(proxy.close())
+
+
+class Rotating:
+    """A secret source the test rotates, or makes unreadable (a vault down)."""
+
+    def __init__(self, value: str) -> None:
+        self.value: str | None = value
+
+    def read(self) -> str:
+        if self.value is None:
+            raise ConnectionError("the vault is down")
+        return self.value
+
+
+def test_a_renew_reads_the_credentials_again_and_holds_none_it_could_not_read() -> None:
+    """A pool's member kept the value read at its start for every later user: a secret
+    rotated (the old one revoked) was still sent."""
+    source = Rotating("OLD-SECRET")
+    api = Credential(name="api", hosts=("api.test",), source=source)
+    proxy = EgressProxy(NetworkPolicy(allow_hosts=("api.test",), credentials=(api,)))
+    try:
+        assert proxy.gate.secrets == {"api": "OLD-SECRET"}
+        source.value = "NEW-SECRET"
+        _loop.call(proxy.renew())
+        assert proxy.gate.secrets == {"api": "NEW-SECRET"}
+        assert proxy.gate.secrets_for(api)[1][1] == b"Bearer NEW-SECRET"  # scrubbed as sent now
+        source.value = None
+        with pytest.raises(SandboxStartError, match=r"credential 'api'.*ConnectionError"):
+            _loop.call(proxy.renew())
+        assert proxy.gate.secrets == {} and proxy.gate.secrets_for(api) == (None, [])
+    finally:
+        _loop.call(proxy.close())
+
+
+def test_the_next_user_gets_a_resolver_that_knows_nothing_of_the_last_ones_names() -> None:
+    """Its cache told by timing which allowed names the last user resolved (for 15 s), and
+    the last user's lookups stuck in a slow DNS held every slot of the next user's."""
+    asked: list[str] = []
+    stuck_ended: list[str] = []
+    release = threading.Event()
+
+    def ask(name: str, port: int) -> list[str]:
+        asked.append(name)
+        if name.startswith("stuck-"):
+            release.wait(10)  # a DNS server that answers late
+            stuck_ended.append(name)
+            raise OSError("timed out")
+        return ["93.184.216.34"]
+
+    async def two_users() -> None:
+        proxy = EgressProxy(NetworkPolicy(allow_hosts=("*.example.com",)), resolver=SystemResolver(ask=ask))
+        await proxy.resolver.resolve("user1-private.example.com", 443)
+        names = [f"stuck-{i}.example.com" for i in range(MAX_LOOKUPS)]
+        stuck = [asyncio.create_task(proxy.resolver.resolve(name, 443)) for name in names]
+        while len(asked) < 1 + MAX_LOOKUPS:  # every slot held
+            await asyncio.sleep(0.01)
+        for task in stuck:
+            task.cancel()  # the reset cuts the last user's requests...
+        await proxy.renew()  # ...and renews its proxy
+        await proxy.resolver.resolve("user2-own.example.com", 443)
+        assert stuck_ended == [], "the next user's lookup waited for the last user's to end"
+        await proxy.resolver.resolve("user1-private.example.com", 443)
+        assert asked.count("user1-private.example.com") == 2, "answered from the last user's cache"
+
+    try:
+        asyncio.run(two_users())
+    finally:
+        release.set()
 
 
 def _gate(told: list[EgressRecord]) -> Gate:

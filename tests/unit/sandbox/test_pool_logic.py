@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from stockade import InvalidArgument, ResourceContention, SandboxCrashed, SandboxRules
+from stockade import InvalidArgument, ResourceContention, SandboxClosed, SandboxCrashed, SandboxRules
 from stockade.sandbox.base import Instance, SandboxSpec, WrapperBackend, WrapperInstance
 from stockade.sandbox.ops import RunCode
 from stockade.sandbox.pool import SandboxPool
@@ -88,6 +88,62 @@ def test_a_member_whose_user_left_a_call_running_is_replaced_not_reset() -> None
         )
         assert "still ran" in pool.stats().last_replaced_why and pool.stats().recycled == 0
         caller.join(5)
+
+
+def test_a_handle_kept_past_its_block_neither_cuts_nor_closes_the_next_users_sandbox() -> None:
+    """A watchdog that kept ``sbx.instance`` to cut a call at its deadline: once the block
+    ended, its cut reached the member, now the next user's, and killed that user's code."""
+    backend = FakeBackend()
+    with SandboxPool(backend=backend, size=1) as pool:
+        with pool.acquire() as mine:
+            kept = mine.instance
+            kept.cut_running()  # within the block: it reaches the member
+        with pool.acquire() as theirs:
+            member = backend.instances[0]
+            assert theirs.id == member.id and member.cuts == 1
+            with pytest.raises(SandboxClosed, match="went back to its pool"):
+                kept.execute(RunCode(code="x"))
+            with pytest.raises(SandboxClosed):
+                assert isinstance(kept, WrapperInstance) and kept.wrapped  # nor what it wraps
+            kept.cut_running()
+            kept.close()
+            assert member.cuts == 1 and theirs.alive and not kept.alive
+            assert theirs.run_code("1").error is None
+
+
+class CutTakesAMoment(WrapperInstance):
+    """A sandbox whose cut is under way until ``done`` is set (a real one asks its supervisor)."""
+
+    def __init__(self, wrapped: Instance, cutting: threading.Event, done: threading.Event) -> None:
+        super().__init__(wrapped)
+        self.cutting, self.done = cutting, done
+
+    def cut_running(self) -> None:
+        self.cutting.set()
+        self.done.wait(10)
+        self.wrapped.cut_running()
+
+
+def test_a_cut_under_way_when_the_block_ends_has_the_member_replaced_not_reset() -> None:
+    """The cut lands after the block: reset and handed on, the member would take it in the
+    next user's session."""
+    cutting, done = threading.Event(), threading.Event()
+
+    class Backend(WrapperBackend):
+        def start(self, spec: SandboxSpec) -> Instance:
+            return CutTakesAMoment(self.wrapped.start(spec), cutting, done)
+
+    with SandboxPool(backend=Backend(FakeBackend()), size=1) as pool:
+        with pool.acquire() as sbx:
+            watchdog = threading.Thread(target=sbx.instance.cut_running, daemon=True)
+            watchdog.start()
+            assert cutting.wait(5)
+        done.set()
+        watchdog.join(5)
+        wait_for(
+            lambda: pool.stats().replaced == 1, what="the member to be replaced", timeout_s=5, interval_s=0.01
+        )
+        assert "still ran" in pool.stats().last_replaced_why and pool.stats().recycled == 0
 
 
 @pytest.mark.parametrize("envs", [{"A=B": "x"}, {"NUL": "a\x00b"}, {"": "x"}])
