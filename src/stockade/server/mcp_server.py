@@ -133,6 +133,7 @@ class McpFace:
         self.idle_timeout_s = idle_timeout_s
         self._used: dict[str, float] = {}  # when each session was last used (a call's end counts)
         self._calls: dict[str, int] = {}  # its calls in flight: a session in a call is not idle
+        self._watched: set[str] = set()  # sessions ended with their SDK connection
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self.server: Server[Any] = Server(
@@ -178,7 +179,29 @@ class McpFace:
         info = params.client_info if params is not None else None
         client = f"{info.name} {info.version}" if info is not None else "an MCP client"
         self._used[key] = time.monotonic()
+        if self.transport == "http" and key not in self._watched:
+            self._end_with_connection(ctx, key)
         return self.agent.session(key, client=client)
+
+    def _end_with_connection(self, ctx: ServerRequestContext[Any, Any], key: str) -> None:
+        """End session ``key``'s run when the SDK ends the session (idle, deleted, the server
+        stopping): the SDK's idle timeout cut a call whose client had gone and freed the
+        session's ``--max-sessions`` slot, while its sandbox lived on another idle timeout
+        (two sandboxes under ``--max-sessions 1``). The SDK unwinds a connection's
+        ``exit_stack`` as it ends; the handlers' context names the connection only privately,
+        so without it the reaper and ``http_app``'s count of live sessions still hold."""
+        stack = getattr(getattr(ctx.session, "_connection", None), "exit_stack", None)
+        if not isinstance(stack, contextlib.AsyncExitStack):
+            return
+        self._watched.add(key)
+
+        async def ended() -> None:
+            self._watched.discard(key)
+            if self.agent.find(key) is not None:
+                log.info("MCP session %s ended by the transport: its run ends", key)
+                await anyio.to_thread.run_sync(self.end_session, key)
+
+        stack.push_async_callback(ended)
 
     @contextlib.contextmanager
     def _in_use(self, key: str) -> Iterator[None]:
@@ -277,9 +300,13 @@ class McpFace:
             if not resource and self._client_decides and _asks_by_retry(ctx):
                 session.paused = outcome
                 return _input_required(outcome)
+            # One deadline for the pause, whatever it asks: each question waited for in full
+            # held one call 80 s under --approval-wait 8, and past --max-session-s
+            wait_s = round(min(self.approval_wait_s, session.wall_left()), 3)
+            deadline = anyio.current_time() + wait_s
             try:
                 for pending in outcome.approvals:
-                    await self._ask(ctx, session, pending)
+                    await self._ask(ctx, session, pending, deadline=deadline, wait_s=wait_s)
             except BaseException:
                 # The call was cancelled (or the asking failed) while the run waits: what is
                 # undecided is denied and the run goes on, or the session's next call would
@@ -315,14 +342,18 @@ class McpFace:
         return True
 
     async def _ask(
-        self, ctx: ServerRequestContext[Any, Any], session: McpSession, pending: PendingApproval
-    ) -> None:
+        self, ctx: ServerRequestContext[Any, Any], session: McpSession, pending: PendingApproval, *,
+        deadline: float, wait_s: float,
+    ) -> None:  # fmt: skip
         """Get a decision: from the client's user (elicitation), else from whoever runs
-        ``stockade approve``, within ``approval_wait_s`` and the session's wall time left;
-        nobody: denied, and the reason kept. An elicitation is waited for no longer than that:
-        a client that never answered held its call, its sandbox and (over HTTP) its session's
-        slot for good, past ``--approval-wait`` and ``--max-session-s``."""
-        wait_s = round(min(self.approval_wait_s, session.wall_left()), 3)
+        ``stockade approve``, by ``deadline`` (the pause's: ``wait_s`` after it began, within
+        ``approval_wait_s`` and the session's wall time left); nobody: denied, and the reason
+        kept. An elicitation is waited for no longer than that: a client that never answered
+        held its call, its sandbox and (over HTTP) its session's slot for good, past
+        ``--approval-wait`` and ``--max-session-s``. Past the deadline nobody is asked."""
+        if anyio.current_time() >= deadline:
+            await self._deny(session, pending, f"nobody: the pause's {wait_s:g} s had run out")
+            return
         caps = ctx.session.client_capabilities
         if (
             self._client_decides
@@ -331,7 +362,7 @@ class McpFace:
             and ctx.session.can_send_request
         ):
             answer: types.ElicitResult | None = None
-            with anyio.move_on_after(wait_s):
+            with anyio.move_on_after(deadline - anyio.current_time()):
                 answer = await ctx.session.elicit_form(
                     message=_message(pending),
                     requested_schema=_APPROVE_SCHEMA,
@@ -349,15 +380,15 @@ class McpFace:
             return
         print(
             f"stockade mcp: {visible(pending.action)} waits for approval: "
-            f"stockade approve {pending.run_id} {pending.request_id} (or deny); {wait_s:g} s",
+            f"stockade approve {pending.run_id} {pending.request_id} (or deny); "
+            f"{round(deadline - anyio.current_time(), 1):g} s",
             file=sys.stderr,
             flush=True,
         )
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        while anyio.current_time() < deadline:
             if await anyio.to_thread.run_sync(lambda: session.decision(pending)) is not None:
                 return
-            await anyio.sleep(0.25)
+            await anyio.sleep(min(0.25, max(0.0, deadline - anyio.current_time())))
         await self._deny(session, pending, f"nobody within {wait_s:g} s")
 
     @staticmethod
@@ -681,6 +712,11 @@ def http_app(
             await refused(scope, receive, send)
             return
         if scope.get("method") == "POST":
+            if SESSION_HEADER not in Headers(scope=scope) and face.agent.live() >= max_sessions:
+                # A session the SDK let go may hold its sandbox a while yet (its run ending):
+                # the SDK counts only its own, and let a new session in beside it.
+                await _TOO_MANY(scope, receive, send)
+                return
             await inner(scope, _watched(scope, receive), send)
             return
         if scope.get("method") != "DELETE":
@@ -703,6 +739,14 @@ def http_app(
     return app
 
 
+_TOO_MANY = JSONResponse(
+    {
+        "jsonrpc": "2.0",
+        "id": None,
+        "error": {"code": types.INTERNAL_ERROR, "message": "Too many open sessions"},
+    },
+    status_code=503,
+)
 _FOREIGN_PAGE = JSONResponse(
     {"error": "Forbidden", "detail": "a request from a web page whose origin is not allowed"}, status_code=403
 )

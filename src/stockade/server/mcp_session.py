@@ -35,6 +35,7 @@ import json
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -248,6 +249,11 @@ class McpAgent:
                 self._leaving = [s for s in self._leaving if s.running] + [session]
             return session
 
+    def live(self) -> int:
+        """The sessions whose runs (and sandboxes) are still up, forgotten ones included."""
+        with self._lock:
+            return sum(s.running for s in [*self._sessions.values(), *self._leaving])
+
     def close(self, timeout_s: float = 60.0) -> None:
         """End every session (their runs end, their sandboxes are removed), then the agent."""
         with self._lock:
@@ -280,6 +286,13 @@ class McpSession:
         self.result: RunResult | None = None
         self.closed = False
         self.paused: Paused | None = None  # asked of a 2026-07-28 client, until its retry answers
+        # The requests pending once the last call returned: an exec refused on the spot inside a
+        # call stays pending (a yes lets it run next time), and no later call waits on it.
+        self._settled: frozenset[str] = frozenset()
+        # The run's wall time leaves out its pauses: the seconds it waited in them, and since
+        # when it waits now, count against the session's wall time all the same (``wall_left``).
+        self._waited_s = 0.0
+        self._paused_at: float | None = None
         self._thread = threading.Thread(target=self._main, name=f"stockade-mcp-{self.run_id}", daemon=True)
         self._thread.start()
 
@@ -371,11 +384,16 @@ class McpSession:
         store.decide(pending.run_id, pending.request_id, choice, by=by)
 
     def wall_left(self) -> float:
-        """The seconds left of the session's wall time (``--max-session-s``) as its run counts
-        them, as of its last pause: what an approval is waited for at most."""
+        """The seconds left of the session's wall time (``--max-session-s``) now: what its run
+        counted as of its last pause, plus every second spent waiting in a pause, this one's
+        so far included. What an approval is waited for at most: counted at the pause alone, a
+        call waited the whole of it again for each of its questions, and past it."""
         session = self._agent_session
         last = session.last if session is not None else None
-        spent = last.state.elapsed_s if last is not None else 0.0
+        spent = (last.state.elapsed_s if last is not None else 0.0) + self._waited_s
+        paused_at = self._paused_at
+        if paused_at is not None:
+            spent += time.monotonic() - paused_at
         return max(0.0, self.owner.agent.config.limits.max_wall_s - spent)
 
     def decision(self, pending: PendingApproval) -> Choice | None:
@@ -458,9 +476,12 @@ class McpSession:
                 result = session.run_sync(f"MCP session of {self.client}")
                 while result.status is RunStatus.PAUSED:
                     paused = self._paused(session)
+                    self._paused_at = time.monotonic()  # before its caller hears of the pause
                     if not self._answer(paused):  # its caller was cancelled: nobody will decide
                         self.give_up(paused, by="nobody: the MCP client cancelled the call")
                     future = self._control.get()
+                    self._waited_s += time.monotonic() - self._paused_at
+                    self._paused_at = None
                     if future is None:  # the client left while an action waited: it stays undecided
                         break
                     self._resuming = future
@@ -478,8 +499,13 @@ class McpSession:
     _resuming: concurrent.futures.Future[Outcome] | None = None
 
     def _paused(self, session: AgentSession) -> Paused:
+        """The pause of the call in flight: the requests it waits on, those that came pending
+        since the last call returned. The rest are execs refused on the spot by earlier calls,
+        which nothing waits on: asked too, one call asked (and waited for) 21 questions, 20 of
+        them about execs of the call before. (Should none be new, all are asked, as before.)"""
         store = session.approvals.store
         pending = store.pending(self.run_id) if store is not None else []
+        fresh = [r for r in pending if r["id"] not in self._settled] or pending
         current = self._current
         return Paused(
             call=current.call if current is not None else None,
@@ -491,9 +517,16 @@ class McpSession:
                     rule=r["rule"],
                     reason=r["reason"],
                 )
-                for r in pending
+                for r in fresh
             ),
         )
+
+    def _settle(self) -> None:
+        """Note what is pending as a call returns (see ``_paused``)."""
+        session = self._agent_session
+        store = session.approvals.store if session is not None else None
+        if store is not None:
+            self._settled = frozenset(r["id"] for r in store.pending(self.run_id))
 
     def _deliver(self, messages: tuple[object, ...]) -> None:
         """The loop asks its model again: the call in flight returned; tell its caller."""
@@ -504,6 +537,7 @@ class McpSession:
             if isinstance(message, ToolResultMessage) and message.call_id == current.call.id:
                 served = current.content if current.resource and not message.is_error else None
                 text = message.content if served is None else served
+                self._settle()
                 self._answer(CallResult(text=text, is_error=message.is_error))
                 return
 

@@ -29,8 +29,9 @@ from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
 from stockade.exceptions import ApprovalRequired, InvalidArgument
 from stockade.policy import Policy
-from stockade.policy.approval import Choice
+from stockade.policy.approval import WITHDRAWN, ApprovalRequest, Choice
 from stockade.policy.schema import CommandRules, Decisions, ModelRegistry, PathRules, Role, TrustRules
+from stockade.sandbox.ops import RunCommand
 from stockade.server.mcp_server import McpFace, _answering, http_app
 from stockade.server.mcp_session import MODEL_NAME, McpAgent, McpSession
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -194,6 +195,75 @@ def test_an_elicitation_nobody_answers_is_denied_when_the_wait_or_the_session_en
         if e.kind.value == "approval" and e.attributes["outcome"] == "denied"
     ]
     assert len(deniers) == 1 and "the MCP client answered nothing within " + within in deniers[0], deniers
+
+
+@pytest.mark.parametrize("elicits", [True, False], ids=["elicitation", "stockade-approve"])
+def test_a_pause_asks_what_its_call_waits_on_within_one_wait(tmp_path: Path, elicits: bool) -> None:
+    """Found from outside: after code whose `rm -r dN` execs were each refused on the spot (and
+    left pending), the next call the policy paused asked about every one of them, and waited
+    ``--approval-wait`` for each in turn (9 execs: 80 s under 8 s, past ``--max-session-s``).
+    Now the execs of earlier calls are not asked (they stay pending), and a pause is waited for
+    once: a second question of it, once the wait is over, is denied unasked."""
+    holder: list[McpSession] = []
+
+    def run(op: RunCommand) -> CommandResult:
+        if b"loop" in (op.stdin or b""):  # as code in a real sandbox starting 3 `rm -r dN`
+            [session] = holder
+            for n in range(3):
+                _ask_about(session, f"exec `rm -r d{n}`")
+        return CommandResult(exit_code=0, stdout="looped", stderr="", duration_s=0.0)
+
+    config = AgentConfig(
+        model=MODEL_NAME, policy=POLICY, audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        backend=FakeBackend(MemoryWorkspace(commands=run), tier="process"),
+        approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+    )  # fmt: skip
+    server = McpFace(McpAgent(config), transport="stdio", approval_wait_s=0.5)
+    asked: list[str] = []
+
+    async def unanswered(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        asked.append(params.message)
+        return await never_answers(context, params)
+
+    async def session() -> types.CallToolResult:
+        with anyio.fail_after(30):
+            async with Client(
+                server.server, mode="legacy", elicitation_callback=unanswered if elicits else None
+            ) as client:
+                await client.call_tool("write_file", {"path": "a.txt", "content": "a"})
+                held = server.agent.find("stdio")
+                assert held is not None
+                holder.append(held)
+                looped = await client.call_tool("run_code", {"code": "loop", "language": "bash"})
+                assert "looped" in text(looped), text(looped)
+                _ask_about(held, "exec `rm -r late`")  # comes pending between the calls
+                return await client.call_tool("run_code", {"code": "rm -r x", "language": "bash"})
+
+    refused = asyncio.run(session())
+    server.close()
+    assert refused.is_error and "a human denied" in text(refused), text(refused)
+    assert len(asked) == (1 if elicits else 0), asked
+    store = server.agent.agent.approvals.store
+    assert store is not None
+    kept = {r["action"]: (r["status"], r.get("by", "")) for r in store.requests(holder[0].run_id)}
+    # the earlier call's execs stayed pending until the session's end withdrew them
+    stale = {action for action, (status, by) in kept.items() if by == WITHDRAWN}
+    assert stale == {"exec `rm -r d0`", "exec `rm -r d1`", "exec `rm -r d2`"}, kept
+    denied = {action: by for action, (status, by) in kept.items() if status == "denied" and by != WITHDRAWN}
+    assert set(denied) == {"exec `rm -r late`", "run `bash -c 'rm -r x'`"}, kept
+    assert sum("had run out" in by for by in denied.values()) == 1, denied  # the second, unasked
+
+
+def _ask_about(session: McpSession, action: str) -> None:
+    """An exec of ``session`` asked about and refused on the spot, as a real sandbox's judge does."""
+    request = ApprovalRequest(
+        run_id=session.run_id, action=action, rule="rm -r",
+        reason="code in the sandbox starts rm, which needs a human's approval",
+    )  # fmt: skip
+    with contextlib.suppress(ApprovalRequired):
+        session.owner.agent.approvals.require(request)
 
 
 def test_without_elicitation_a_call_waits_for_a_decision_then_is_denied(tmp_path: Path) -> None:
@@ -645,6 +715,62 @@ def test_over_http_a_queued_call_whose_request_went_away_is_dropped(tmp_path: Pa
             if e.kind.value == "tool_call"
         ]
         assert "write_file" not in calls, calls  # the dropped call never ran
+    finally:
+        release.set()
+        server.close()
+
+
+def test_over_http_a_session_the_sdk_let_go_holds_its_slot_until_its_run_ends(tmp_path: Path) -> None:
+    """Found from outside: a client that dropped its connection mid-call (`sleep 200`) had its
+    session ended by the SDK after the idle timeout, its ``--max-sessions`` slot freed, while the
+    session's run and sandbox lived another idle timeout: a new session came in beside it (two
+    sandboxes under ``--max-sessions 1``). Now the run ends with the SDK's session, and until it
+    has, a new session is refused as one too many."""
+    release = threading.Event()
+
+    def slow(op: object) -> CommandResult:
+        release.wait(30)
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+
+    config = AgentConfig(
+        model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(commands=slow), tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+    )  # fmt: skip
+    server = McpFace(McpAgent(config), transport="http", approval_wait_s=5, idle_timeout_s=0.5)
+    sleep = {
+        "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "run_code", "arguments": {"code": "sleep 200", "language": "bash"}},
+    }  # fmt: skip
+    try:
+        with served(http_app(server, max_sessions=1)) as port:
+            url = f"http://127.0.0.1:{port}"
+            with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
+                sid = _open_session(http)
+                headers = dict(http.headers)
+
+            async def drop() -> McpSession:
+                async with (
+                    httpx2.AsyncClient(base_url=url, headers=headers, timeout=10) as client,
+                    client.stream("POST", "/mcp", json=sleep),  # closed mid-call
+                ):
+                    while (session := server.agent.find(sid)) is None or session._current is None:
+                        await asyncio.sleep(0.01)
+                return session
+
+            dropped = asyncio.run(drop())
+            with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
+                deadline = time.monotonic() + 20  # the SDK lets the session go once it is idle
+                while server.agent.find(sid) is not None:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                assert dropped.running  # its command holds the sandbox (until released)
+                assert http.post("/mcp", json=INITIALIZE).status_code == 503
+                release.set()
+                while dropped.running:  # its run was ended: once the command returns, it is over
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                assert http.post("/mcp", json=INITIALIZE).status_code == 200
     finally:
         release.set()
         server.close()

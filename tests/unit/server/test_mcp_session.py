@@ -4,6 +4,7 @@ client; calls, denials, approvals (a pause, a decision, the parked call run agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -14,9 +15,9 @@ import pytest
 from stockade.agent import RunLimits
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
-from stockade.exceptions import SessionBusy
+from stockade.exceptions import ApprovalRequired, SessionBusy
 from stockade.policy import Policy
-from stockade.policy.approval import Choice
+from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
 from stockade.sandbox.ops import RunCommand
 from stockade.server.mcp_session import (
@@ -278,3 +279,75 @@ def test_the_bytes_of_queued_arguments_are_bounded_per_server(tmp_path: Path) ->
 
     asyncio.run(work())
     agent.close()
+
+
+def _refusing_execs_in(holder: list[McpAgent], count: int) -> MemoryWorkspace:
+    """A workspace whose ``loop`` program does as code looping over ``rm -r dN`` does inside a
+    real sandbox: each exec is asked about, refused on the spot, and left pending."""
+
+    def run(op: RunCommand) -> CommandResult:
+        if b"loop" in (op.stdin or b""):
+            [agent] = holder
+            [session] = agent._sessions.values()
+            for n in range(count):
+                exec_ = ApprovalRequest(
+                    run_id=session.run_id, action=f"exec `rm -r d{n}`", rule="rm -r",
+                    reason="code in the sandbox starts rm, which needs a human's approval",
+                )  # fmt: skip
+                with contextlib.suppress(ApprovalRequired):
+                    agent.agent.approvals.require(exec_)
+        return CommandResult(exit_code=0, stdout="looped", stderr="", duration_s=0.0)
+
+    return MemoryWorkspace(commands=run)
+
+
+def test_a_pause_holds_only_the_requests_its_call_waits_on(tmp_path: Path) -> None:
+    """Found from outside: code that looped over 20 `rm -r dN` left 20 execs pending (each
+    refused on the spot); the next call the policy paused held all 21, and the client was asked
+    21 questions for it. Its pause holds its own request; the execs stay pending, unasked."""
+    holder: list[McpAgent] = []
+    config = AgentConfig(
+        model=MODEL_NAME, policy=POLICY, audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        backend=FakeBackend(_refusing_execs_in(holder, 20), tier="process"),
+        approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+    )  # fmt: skip
+    agent = McpAgent(config)
+    holder.append(agent)
+    session = agent.session("one", client="test")
+
+    async def work() -> Paused:
+        looped = await session.call("run_code", {"code": "loop", "language": "bash"})
+        assert isinstance(looped, CallResult) and "looped" in looped.text, looped
+        paused = await session.call("run_code", {"code": "rm -r x", "language": "bash"})
+        assert isinstance(paused, Paused)
+        session.decide(paused.approvals[0], Choice.DENIED, by="test")
+        await session.resume()
+        return paused
+
+    paused = asyncio.run(work())
+    try:
+        assert [p.action for p in paused.approvals] == ["run `bash -c 'rm -r x'`"], paused.approvals
+        store = agent.agent.approvals.store
+        assert store is not None and len(store.pending(session.run_id)) == 20
+    finally:
+        agent.close()
+
+
+def test_the_wall_time_left_shrinks_while_a_pause_waits(agent: McpAgent) -> None:
+    """Found from outside: measured at the pause, the wall time left stayed whole however long
+    the pause waited, and one call waited past ``--max-session-s`` (48 s under 20)."""
+    session = agent.session("one", client="test")
+
+    async def work() -> tuple[float, float]:
+        paused = await session.call("run_code", {"code": "rm -r build", "language": "bash"})
+        assert isinstance(paused, Paused)
+        at_pause = session.wall_left()
+        await asyncio.sleep(0.05)
+        later = session.wall_left()
+        session.decide(paused.approvals[0], Choice.DENIED, by="test")
+        await session.resume()
+        return at_pause, later
+
+    at_pause, later = asyncio.run(work())
+    agent.close()
+    assert later < at_pause
