@@ -17,14 +17,14 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from stockade.egress._resolve import LOOKUP_TIMEOUT_S, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
 from stockade.egress._streams import Buffers
 from stockade.types import Credential, EgressRecord, NetworkPolicy
 
-__all__ = ["MAX_REDIRECT_BASE", "EgressObserver", "Gate", "Refused", "Window", "credential_value"]
+__all__ = ["MAX_REDIRECT_BASE", "EgressObserver", "Forms", "Gate", "Refused", "Window", "credential_value"]
 
 MAX_REDIRECT_BASE = 8192
 RATE_RULE = "max_requests_per_minute"
@@ -81,6 +81,7 @@ class Gate:
         self._upstream_tls: ssl.SSLContext | None = None
         self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
         self._forms: dict[str, list[bytes]] = {}  # each credential's value as scrubbed (``secrets_for``)
+        self._found: dict[str, Forms] = {}  # those forms as patterns (``forms_for``)
         self._redaction: re.Pattern[str] | None = None  # every credential's forms, any case (``redact``)
         # Past the rate one refusal is recorded, the rest counted and told as one record (when
         # a request is let through again, each minute of a flood, and at close): a sandbox
@@ -181,6 +182,18 @@ class Gate:
                 *secret_forms(secret.encode(), sent),
             ]
         return secret, forms
+
+    def forms_for(self, credential: Credential | None) -> Forms | None:
+        """The forms ``secrets_for`` names, as patterns that find any of them in one scan."""
+        if credential is None:
+            return None
+        found = self._found.get(credential.name)
+        if found is None:
+            forms = [f for f in self.secrets_for(credential)[1] if f]
+            if not forms:
+                return None
+            found = self._found[credential.name] = Forms.of(forms)
+        return found
 
     def redact(self, text: str) -> str:
         """``text``, composed by the proxy (a refusal, a record), without any credential's
@@ -284,7 +297,27 @@ class Gate:
         self.flush()
         self.secrets.clear()
         self._forms.clear()
+        self._found.clear()
         self._redaction = None
+
+
+@dataclass(frozen=True)
+class Forms:
+    """A credential's forms (``Gate.secrets_for``) as two patterns: ``values`` finds any of
+    them (the longest where two start at once: "Bearer X" before "X"), ``names`` any of them
+    lowercased (h11 gives header names lowercased)."""
+
+    values: re.Pattern[bytes]
+    names: re.Pattern[bytes]
+
+    @classmethod
+    def of(cls, forms: list[bytes]) -> Forms:
+        longest_first = sorted(set(forms), key=len, reverse=True)
+        lowered = sorted({f.lower() for f in forms}, key=len, reverse=True)
+        return cls(
+            values=re.compile(b"|".join(map(re.escape, longest_first))),
+            names=re.compile(b"|".join(map(re.escape, lowered))),
+        )
 
 
 def credential_value(credential: Credential, secret: str) -> bytes:
