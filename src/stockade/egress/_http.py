@@ -523,6 +523,13 @@ class Exchange:
         head = up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
         self.gate.spend(0)  # its head was counted as it came (``next_request``)
         if conn.their_state is h11.SEND_BODY:
+            if conn.they_are_waiting_for_100_continue:
+                # The request is judged and its server reached: the client may send its body.
+                # The proxy answers ``Expect`` itself (``forwarded_headers`` keeps it from the
+                # server, whose 100 would come only after the body, as a 1xx not passed on).
+                await client.send(
+                    conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
+                )
             await self._relay_body(conn, client, up, upstream, head=head, count=progress.went)
         else:  # read already (no body; or sent once, on a kept connection the server then closed)
             await upstream.send(head + up.send(h11.EndOfMessage()))
@@ -805,9 +812,10 @@ async def answer_head(up: Any, stream: Stream, rest: bytes) -> tuple[Any, bytes,
 
 
 async def drain_body(conn: Any, client: Stream) -> None:
-    """Read what is left of a refused request's body (bounded), so the reply can be read."""
+    """Read what is left of a refused request's body (bounded), so the reply can be read;
+    none if the client waits for a ``100 Continue`` before it sends one (it gets the refusal)."""
     h11 = load_h11()
-    if conn.their_state is not h11.SEND_BODY:
+    if conn.their_state is not h11.SEND_BODY or conn.they_are_waiting_for_100_continue:
         return
     budget = 1024 * 1024
     while budget > 0:
@@ -1050,6 +1058,8 @@ def forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[t
         lower = key.lower()
         if lower in HOP_BY_HOP or lower in (b"host", b"content-length"):
             continue
+        if lower == b"expect" and bytes(value).strip().lower() == b"100-continue":
+            continue  # answered by the proxy (``Exchange._send_request``)
         out.append((bytes(key), bytes(value)))
     # One framing, the one h11 read the body by (Transfer-Encoding beats Content-Length; a
     # request with both is refused before this), and h11 re-frames the body it forwards.
