@@ -1117,16 +1117,15 @@ def scrubbed_head(headers: Any, reason: bytes, forms: Forms) -> tuple[list[tuple
     itself) and its reason (a server can put anything there too) without the secret's forms.
     A name cannot hold "[REDACTED]" (no token): a header whose name holds a form goes. One
     scan of all the values and one of all the names (h11 allows no line end in either), not
-    one per header and form: 256 headers times 18 forms took 2 ms of the loop."""
+    one per header and form (10,000 one-byte values and 18 forms: 9 ms of the loop, 0.6 ms so)."""
     kept = [
         (bytes(k), bytes(v)) for k, v in headers
         if k not in HOP_BY_HOP and k not in (b"content-length", b"content-encoding")
     ]  # fmt: skip
     if forms.names.search(b"\n".join(k for k, _ in kept)):
         kept = [(k, v) for k, v in kept if not forms.names.search(k)]
-    *values, said = forms.values.sub(b"[REDACTED]", b"\n".join([*(v for _, v in kept), bytes(reason)])).split(
-        b"\n"
-    )
+    joined = b"\n".join([*(v for _, v in kept), bytes(reason)])
+    *values, said = forms.values.sub(b"[REDACTED]", joined).split(b"\n")
     return [(k, v) for (k, _), v in zip(kept, values, strict=True)], said
 
 
