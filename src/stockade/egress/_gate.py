@@ -18,7 +18,7 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from stockade.egress._resolve import LOOKUP_TIMEOUT_S, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
@@ -29,6 +29,7 @@ from stockade.types import Credential, EgressRecord, NetworkPolicy
 __all__ = [
     "MAX_REDIRECT_BASE",
     "EgressObserver",
+    "Forms",
     "Gate",
     "Refused",
     "Window",
@@ -92,6 +93,7 @@ class Gate:
         self._upstream_tls: ssl.SSLContext | None = None
         self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
         self._forms: dict[str, list[bytes]] = {}  # each credential's value as scrubbed (``secrets_for``)
+        self._found: dict[str, Forms] = {}  # those forms as patterns (``forms_for``)
         self._redaction: re.Pattern[str] | None = None  # every credential's forms, any case (``redact``)
         # Past the rate one refusal is recorded, the rest counted and told as one record (when
         # a request is let through again, each minute of a flood, and at close): a sandbox
@@ -192,6 +194,18 @@ class Gate:
                 *secret_forms(secret.encode(), sent),
             ]
         return secret, forms
+
+    def forms_for(self, credential: Credential | None) -> Forms | None:
+        """The forms ``secrets_for`` names, as patterns that find any of them in one scan."""
+        if credential is None:
+            return None
+        found = self._found.get(credential.name)
+        if found is None:
+            forms = [f for f in self.secrets_for(credential)[1] if f]
+            if not forms:
+                return None
+            found = self._found[credential.name] = Forms.of(forms)
+        return found
 
     def redact(self, text: str) -> str:
         """``text``, composed by the proxy (a refusal, a record), without any credential's
@@ -301,6 +315,7 @@ class Gate:
         """Send these values from now on (``read_secrets``); the forms scrubbed follow them."""
         self.secrets = dict(secrets)
         self._forms.clear()
+        self._found.clear()  # else answers would be scrubbed of the old value, not this one
         self._redaction = None
 
     def close(self) -> None:
@@ -309,6 +324,7 @@ class Gate:
         self.flush()
         self.secrets.clear()
         self._forms.clear()
+        self._found.clear()
         self._redaction = None
 
 
@@ -327,6 +343,25 @@ def read_secrets(policy: NetworkPolicy) -> dict[str, str]:
                 f"credential {credential.name!r}: its source could not be read ({type(err).__name__})"
             ) from err
     return secrets
+
+
+@dataclass(frozen=True)
+class Forms:
+    """A credential's forms (``Gate.secrets_for``) as two patterns: ``values`` finds any of
+    them (the longest where two start at once: "Bearer X" before "X"), ``names`` any of them
+    lowercased (h11 gives header names lowercased)."""
+
+    values: re.Pattern[bytes]
+    names: re.Pattern[bytes]
+
+    @classmethod
+    def of(cls, forms: list[bytes]) -> Forms:
+        longest_first = sorted(set(forms), key=len, reverse=True)
+        lowered = sorted({f.lower() for f in forms}, key=len, reverse=True)
+        return cls(
+            values=re.compile(b"|".join(map(re.escape, longest_first))),
+            names=re.compile(b"|".join(map(re.escape, lowered))),
+        )
 
 
 def credential_value(credential: Credential, secret: str) -> bytes:

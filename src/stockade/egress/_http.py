@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stockade.egress._gate import MAX_REDIRECT_BASE, Gate, Refused
+from stockade.egress._gate import MAX_REDIRECT_BASE, Forms, Gate, Refused
 from stockade.egress._rules import Verdict, ip_literal
 from stockade.egress._streams import CHUNK, Plain, Stream, connect, within
 from stockade.egress._upstream import Pool, UpstreamKey
@@ -53,7 +53,12 @@ HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
 # loop all sandboxes share: 12,500 one-line headers (`a:b`, within HEAD_LIMIT) took 14-31 ms
 # of it each. Apache's LimitRequestFields is 100; browsers and HTTP libraries send a few dozen.
 HEAD_LINES = 256
-INFORMATIONAL_LIMIT = 16  # 1xx answers before the final one: more is a 502
+# A server's heads are counted the same way before h11 parses them: past HEAD_LINES lines one
+# is a 502, and so are 1xx ones past INFORMATIONAL_LIMIT heads, or HEAD_LINES lines or
+# HEAD_LIMIT bytes together. An answer costs the loop at most three heads' worth of lines
+# (its 1xx ones, the one that went past, the final one): 16 ``103`` heads of 10,000 ``a:b``
+# lines and a final one like them took 198 ms of it (349 ms for a credential's host).
+INFORMATIONAL_LIMIT = 16
 LINE_LIMIT = 8192  # of a request head h11 refuses, what is kept to name it (its first line)
 HEAD_TIMEOUT_S = 30.0
 ANSWER_TIMEOUT_S = 4 * HEAD_TIMEOUT_S  # from a request sent to its answer's final head
@@ -473,7 +478,9 @@ class Exchange:
                 status = await self._send_response(
                     conn, client, response, target, credential, progress=progress, upstream=upstream, up=up
                 )
-                keep = up.our_state is h11.DONE and up.their_state is h11.DONE
+                # Bytes the server sent past its answer would be read as the next one's
+                # head, uncounted (``answer_head``): such a connection is not kept.
+                keep = up.our_state is h11.DONE and up.their_state is h11.DONE and not up.trailing_data[0]
                 ended = True
                 return status, True
             finally:
@@ -516,6 +523,13 @@ class Exchange:
         head = up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
         self.gate.spend(0)  # its head was counted as it came (``next_request``)
         if conn.their_state is h11.SEND_BODY:
+            if conn.they_are_waiting_for_100_continue:
+                # The request is judged and its server reached: the client may send its body.
+                # The proxy answers ``Expect`` itself (``forwarded_headers`` keeps it from the
+                # server, whose 100 would come only after the body, as a 1xx not passed on).
+                await client.send(
+                    conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
+                )
             await self._relay_body(conn, client, up, upstream, head=head, count=progress.went)
         else:  # read already (no body; or sent once, on a kept connection the server then closed)
             await upstream.send(head + up.send(h11.EndOfMessage()))
@@ -527,27 +541,32 @@ class Exchange:
             raise TimeoutError(f"no answer in {self.answer_timeout_s:g} s") from None
 
     async def _final_head(self, up: Any, upstream: Plain) -> Any:
-        """The head of the server's final answer, after at most ``INFORMATIONAL_LIMIT`` 1xx
-        ones (``100 Continue`` and the like, not passed on). Each head is bounded like a
-        request's (``HEAD_LIMIT``); a 1xx one counts against the bytes per minute here (the
-        final one, in ``_send_response``): a server sending ``102`` without end would else
-        cost the loop without limit."""
+        """The head of the server's final answer, after the 1xx ones (``100 Continue`` and
+        the like, not passed on), each counted before h11 parses it (``answer_head``) and
+        bounded together (``INFORMATIONAL_LIMIT``); a 1xx one counts against the bytes per
+        minute here (the final one, in ``_send_response``): a server sending ``102`` without
+        end would else cost the loop without limit. Between heads the loop serves the others."""
         h11 = load_h11()
+        early = HeadLines()  # the 1xx heads' lines and bytes, together
+        rest = b""  # what came after the last head, not yet given to h11
         for _ in range(INFORMATIONAL_LIMIT + 1):
-            response = await next_event(up, upstream)
-            if not isinstance(response, h11.InformationalResponse | h11.Response):
-                raise ConnectionError("the server closed without answering")
-            if head_size(response) > HEAD_LIMIT:
-                raise Refused(502, Verdict(
-                    allowed=False, rule="reply (size)",
-                    reason=f"an answer head longer than {HEAD_LIMIT} bytes",
-                ))  # fmt: skip
+            response, rest, counted = await answer_head(up, upstream, rest)
             if isinstance(response, h11.Response):
+                if rest:  # the body's first bytes (never b"": to h11 that is the end)
+                    up.receive_data(rest)
                 return response
-            self.gate.spend(head_size(response))
+            self.gate.spend(counted.size)
+            early.lines += counted.lines
+            early.size += counted.size
+            if early.lines > HEAD_LINES or early.size > HEAD_LIMIT:
+                break
+            await asyncio.sleep(0)
         raise Refused(502, Verdict(
             allowed=False, rule="reply (informational)",
-            reason=f"more than {INFORMATIONAL_LIMIT} informational (1xx) answers to one request",
+            reason=(
+                f"more than {INFORMATIONAL_LIMIT} informational (1xx) answers to one request, "
+                f"or more than {HEAD_LINES} lines or {HEAD_LIMIT} bytes of them"
+            ),
         ))  # fmt: skip
 
     async def _send_response(
@@ -572,17 +591,10 @@ class Exchange:
             self.gate.check_redirect(response.status_code, header(response.headers, b"location"), base)
         # h11 gives header names lowercased (and each value checked): compared as they come.
         reason, reply = response.reason, None
-        if secrets:  # scrubbing (and decoding) changes the length
+        forms = self.gate.forms_for(credential)  # None exactly when there is nothing to scrub
+        if forms is not None:  # scrubbing (and decoding) changes the length
             decoder = reply_decoder(response.headers, target.host)
-            # A name cannot hold "[REDACTED]" (no token): a header whose name holds a form of
-            # the secret goes; h11 lowercased the name, so the forms are looked for lowercased.
-            lowered = [s.lower() for s in secrets]
-            out_headers = [
-                (k, scrub_all(v, secrets)) for k, v in response.headers
-                if k not in HOP_BY_HOP and k not in (b"content-length", b"content-encoding")
-                and not any(s in k for s in lowered)
-            ]  # fmt: skip
-            reason = scrub_all(response.reason, secrets)  # a server can put anything there too
+            out_headers, reason = scrubbed_head(response.headers, response.reason, forms)
             reply = Reply(Scrubber(secrets), decoder, self.gate.spend)
         else:
             out_headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
@@ -762,10 +774,48 @@ async def next_event(conn: Any, stream: Stream) -> Any:
         return event
 
 
-async def drain_body(conn: Any, client: Stream) -> None:
-    """Read what is left of a refused request's body (bounded), so the reply can be read."""
+async def answer_head(up: Any, stream: Stream, rest: bytes) -> tuple[Any, bytes, HeadLines]:
+    """The next head of a server's answer (an h11 event: a ``Response``, an
+    ``InformationalResponse``, else ``ConnectionError``), the bytes that came after it
+    (``rest``, before: what came after the last one), and its count.
+
+    h11 is given the head only once it came whole and was counted (``HeadLines``): past
+    ``HEAD_LINES`` lines or ``HEAD_LIMIT`` bytes it is a ``502`` and h11 parses none of it.
+    The bytes after it stay here: they may be another head, to count in turn."""
     h11 = load_h11()
-    if conn.their_state is not h11.SEND_BODY:
+    head = HeadLines()
+    data = rest
+    while True:
+        if not data:
+            data = await stream.recv()
+            if not data:
+                up.receive_data(b"")  # the end: h11 tells a close before a head, or inside one
+                break
+        taken = head.feed(data)
+        if head.lines > HEAD_LINES or head.size > HEAD_LIMIT:
+            limit = (
+                f"of more than {HEAD_LINES} lines"
+                if head.lines > HEAD_LINES
+                else f"longer than {HEAD_LIMIT} bytes"
+            )
+            raise Refused(502, Verdict(allowed=False, rule="reply (size)", reason=f"an answer head {limit}"))
+        if head.ended and not taken:  # a head that begins blank: h11 refuses it at once
+            taken = len(data)
+        up.receive_data(data[:taken])
+        data = data[taken:]
+        if head.ended:
+            break
+    event = up.next_event()
+    if not isinstance(event, h11.InformationalResponse | h11.Response):
+        raise ConnectionError("the server closed without answering")
+    return event, data, head
+
+
+async def drain_body(conn: Any, client: Stream) -> None:
+    """Read what is left of a refused request's body (bounded), so the reply can be read;
+    none if the client waits for a ``100 Continue`` before it sends one (it gets the refusal)."""
+    h11 = load_h11()
+    if conn.their_state is not h11.SEND_BODY or conn.they_are_waiting_for_100_continue:
         return
     budget = 1024 * 1024
     while budget > 0:
@@ -1008,6 +1058,8 @@ def forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[t
         lower = key.lower()
         if lower in HOP_BY_HOP or lower in (b"host", b"content-length"):
             continue
+        if lower == b"expect" and bytes(value).strip().lower() == b"100-continue":
+            continue  # answered by the proxy (``Exchange._send_request``)
         out.append((bytes(key), bytes(value)))
     # One framing, the one h11 read the body by (Transfer-Encoding beats Content-Length; a
     # request with both is refused before this), and h11 re-frames the body it forwards.
@@ -1060,10 +1112,21 @@ def has_body(headers: Any) -> bool:
     return False
 
 
-def scrub_all(value: bytes, secrets: Sequence[bytes]) -> bytes:
-    for secret in secrets:
-        value = value.replace(secret, b"[REDACTED]")
-    return bytes(value)
+def scrubbed_head(headers: Any, reason: bytes, forms: Forms) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A credential host's answer head for the code: its headers (but those the proxy frames
+    itself) and its reason (a server can put anything there too) without the secret's forms.
+    A name cannot hold "[REDACTED]" (no token): a header whose name holds a form goes. One
+    scan of all the values and one of all the names (h11 allows no line end in either), not
+    one per header and form (10,000 one-byte values and 18 forms: 9 ms of the loop, 0.6 ms so)."""
+    kept = [
+        (bytes(k), bytes(v)) for k, v in headers
+        if k not in HOP_BY_HOP and k not in (b"content-length", b"content-encoding")
+    ]  # fmt: skip
+    if forms.names.search(b"\n".join(k for k, _ in kept)):
+        kept = [(k, v) for k, v in kept if not forms.names.search(k)]
+    joined = b"\n".join([*(v for _, v in kept), bytes(reason)])
+    *values, said = forms.values.sub(b"[REDACTED]", joined).split(b"\n")
+    return [(k, v) for (k, _), v in zip(kept, values, strict=True)], said
 
 
 def short(path: str, limit: int = 2048) -> str:

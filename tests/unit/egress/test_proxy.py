@@ -522,6 +522,47 @@ def test_a_byte_limit_hit_mid_upload_records_the_bytes_that_went_and_the_credent
     assert proxy.proxy.gate.bytes.total >= record.bytes_out
 
 
+def _head(sock: socket.socket) -> bytes:
+    """The next head ``sock`` gets (up to its blank line), read a byte at a time."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n") and (piece := sock.recv(1)):
+        head += piece
+    return head
+
+
+EXPECTING = (
+    "POST http://{host}:{port}/upload HTTP/1.1\r\nHost: {host}\r\nContent-Length: 5\r\n"
+    "Expect: 100-continue\r\nConnection: close\r\n\r\n"
+)
+
+
+def test_a_client_that_expects_100_continue_gets_it_before_it_sends_its_body(local: Servers) -> None:
+    """``Expect: 100-continue`` (curl sends it for bodies over 1 MiB; some clients wait for
+    the 100 without end): answered once the request is judged and its server reached."""
+    with (
+        running(local.policy()) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client,
+    ):
+        client.sendall(EXPECTING.format(host="pkg.test", port=local.http_port).encode())
+        interim = _head(client)  # the body is not sent yet: the proxy answers without it
+        client.sendall(b"hello")
+        final = _head(client) + client.recv(100)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert final.startswith(b"HTTP/1.1 200 ") and final.endswith(b"got 5 bytes")
+    assert [(r.method, r.status, r.bytes_out) for r in proxy.records] == [("POST", 200, 5)]
+
+
+def test_a_refused_request_that_expects_100_continue_is_refused_without_its_body(local: Servers) -> None:
+    with (
+        running(local.policy()) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client,
+    ):
+        client.sendall(EXPECTING.format(host="other.test", port=local.http_port).encode())
+        answer = _head(client)
+    assert answer.startswith(b"HTTP/1.1 403 ")
+    assert [(r.method, r.status, r.decision) for r in proxy.records] == [("POST", 403, "deny")]
+
+
 def test_a_server_that_cannot_be_reached_is_an_allowed_request_with_nothing_sent(local: Servers) -> None:
     with socket.socket() as probe:  # a port of the allowed address that nothing listens on
         probe.bind((HTTP_ADDRESS, 0))

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop, _streams
-from stockade.egress._http import load_h11
+from stockade.egress._http import HEAD_LINES, INFORMATIONAL_LIMIT, load_h11
 from stockade.egress._streams import Plain
 from stockade.egress._upstream import UpstreamKey
 from stockade.types import EgressRecord
@@ -425,6 +425,78 @@ def test_informational_answers_do_not_extend_the_deadline_of_the_final_one() -> 
     assert [(r.status, r.reason) for r in records] == [
         (502, f"sent, then raw.test:{raw.port} failed: no answer in 1 s")
     ]
+
+
+class CountedLines(load_h11().Connection):  # type: ignore[misc]
+    """h11's side of a connection to a server, counting the line ends it was given to parse."""
+
+    def __init__(self) -> None:
+        super().__init__(load_h11().CLIENT)
+        self.lines = 0
+
+    def receive_data(self, data: bytes) -> None:
+        self.lines += bytes(data).count(b"\n")
+        super().receive_data(data)
+
+
+def _answered_by(server: RawServer, answer: bytes) -> tuple[bytes, list[EgressRecord], int]:
+    """A GET to raw.test over a connection kept from an earlier request, whose server sent
+    ``answer`` already: what the client got, the records, and the lines h11 was given."""
+    records: list[EgressRecord] = []
+    proxy = EgressProxy(_policy(server), observer=records.append)
+    key = UpstreamKey(address="127.0.0.2", port=server.port, scheme="http", host="raw.test", credential="")
+    up = CountedLines()
+
+    async def serve() -> tuple[socket.socket, socket.socket]:
+        upstream, server_side = await _arrived(answer, end=False)
+        proxy.exchange.upstreams.give(key, upstream, up)
+        client, peer = await _arrived(
+            b"GET http://raw.test:%d/ HTTP/1.1\r\nHost: raw.test\r\n\r\n" % server.port, end=True
+        )
+        await proxy.exchange.serve(client, tunnel=None)
+        client.close()
+        return peer, server_side
+
+    peer, server_side = _loop.call(serve())
+    try:
+        got = _received(peer)
+    finally:
+        server_side.close()
+        _loop.call(proxy.close())
+    return got, records, up.lines
+
+
+MANY_LINES = b"a:b\r\n" * 10_000  # 50 KB: within HEAD_LIMIT, 40 times HEAD_LINES
+
+
+def test_an_answer_head_of_too_many_lines_is_a_502_h11_never_parses(server: RawServer) -> None:
+    """Parsing a head is what it costs the loop every sandbox shares, by its lines more than
+    its bytes: a server's head is counted before h11 sees it, like a request's."""
+    answer, records, parsed = _answered_by(
+        server, b"HTTP/1.1 200 OK\r\n%sContent-Length: 2\r\n\r\nok" % MANY_LINES
+    )
+    assert _statuses(answer) == [502] and b"more than 256 lines" in answer and b"rule: reply (size)" in answer
+    assert [(r.status, r.decision, r.rule) for r in records] == [(502, "allow", "reply (size)")]
+    assert parsed <= HEAD_LINES
+
+
+def test_informational_heads_are_bounded_in_lines_together(server: RawServer) -> None:
+    """Sixteen ``103`` heads each within the limit, 200 lines each: together past it, a 502."""
+    hints = b"HTTP/1.1 103 Early Hints\r\n" + b"Link: </a.css>; rel=preload\r\n" * 200 + b"\r\n"
+    answer, records, parsed = _answered_by(server, hints * 16 + ANSWER)
+    assert _statuses(answer) == [502] and b"rule: reply (informational)" in answer
+    assert [(r.status, r.rule) for r in records] == [(502, "reply (informational)")]
+    assert parsed <= 2 * HEAD_LINES
+
+
+def test_a_few_early_hints_and_a_head_of_many_headers_pass(server: RawServer) -> None:
+    hint = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+    headers = b"".join(b"X-%d: a\r\n" % n for n in range(HEAD_LINES - 3))  # and the status line, the end
+    answer, records, _ = _answered_by(
+        server, hint * INFORMATIONAL_LIMIT + b"HTTP/1.1 200 OK\r\n%sContent-Length: 2\r\n\r\nok" % headers
+    )
+    assert _statuses(answer) == [200] and answer.endswith(b"\r\n\r\nok") and b"x-252: a" in answer.lower()
+    assert [(r.status, r.decision) for r in records] == [(200, "allow")]
 
 
 def test_an_unreadable_second_request_on_a_kept_connection(server: RawServer) -> None:
