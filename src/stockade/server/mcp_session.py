@@ -48,7 +48,7 @@ from stockade.agent.loop import RunResult
 from stockade.agent.state import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
 from stockade.models.base import Model
-from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage
+from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage, Usage
 from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.policy.schema import Verdict
 from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
@@ -151,6 +151,11 @@ _running: contextvars.ContextVar[McpSession | None] = contextvars.ContextVar(
 )
 
 MODEL_NAME = "mcp"  # what the policy's [models] approved list must allow
+# What a client's call counts as: one request and no tokens. The client's model is not ours to
+# count, and a response without usage is estimated from the whole history each step: a session
+# reading 40 KB files ended "budget" (1 M tokens) after 23 reads, and one 3.9 MB write_file
+# ended it before the call's own size cap could refuse it.
+_NO_TOKENS = Usage(requests=1)
 
 
 class ClientModel(Model):
@@ -170,14 +175,17 @@ class ClientModel(Model):
             item = await session._next()
             if item is _END or not isinstance(item, _Call):
                 return ModelResponse(
-                    text="the MCP client ended its session", finish_reason="stop", model_name=name
-                )
+                    text="the MCP client ended its session", finish_reason="stop", model_name=name,
+                    usage=_NO_TOKENS,
+                )  # fmt: skip
             with session._lock:  # taken, or cancelled while queued: never both
                 session._unqueue(item)
                 if item.cancelled:
                     continue  # a queued call its client gave up never runs
                 session._current = item
-            return ModelResponse(tool_calls=(item.call,), finish_reason="tool_calls", model_name=name)
+            return ModelResponse(
+                tool_calls=(item.call,), finish_reason="tool_calls", model_name=name, usage=_NO_TOKENS
+            )
 
 
 class McpAgent:

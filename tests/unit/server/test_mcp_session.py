@@ -278,3 +278,39 @@ def test_the_bytes_of_queued_arguments_are_bounded_per_server(tmp_path: Path) ->
 
     asyncio.run(work())
     agent.close()
+
+
+def test_a_session_spends_no_tokens_and_a_huge_call_is_refused_by_its_size(tmp_path: Path) -> None:
+    """Found from outside: the client's calls were counted as a model's answers without usage,
+    estimated from the whole history each step, so a session reading 40 KB files ended
+    "budget" (1 M tokens) at its 23rd read, and one 3.9 MB write_file ended it instead of being
+    refused. The client's model is not ours to count: a call is one request and no tokens, so
+    even a token budget of 1,000 never ends a session, and the huge call meets its size cap."""
+    agent = McpAgent(
+        AgentConfig(
+            model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(), tier="process"),
+            audit=AuditLog(MemoryStore(), flush_interval_s=None), approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"), limits=RunLimits(max_tokens=1_000),
+        )
+    )  # fmt: skip
+    session = agent.session("one", client="test")
+
+    async def work() -> list[object]:
+        outcomes: list[object] = [
+            await session.call("write_file", {"path": "big.txt", "content": "x\n" * 20_000})
+        ]
+        outcomes += [await session.call("read_file", {"path": "big.txt"}) for _ in range(5)]
+        outcomes.append(await session.call("write_file", {"path": "huge.txt", "content": "y" * 3_900_000}))
+        outcomes.append(await session.call("read_file", {"path": "big.txt", "limit": 2}))
+        return outcomes
+
+    *calls, huge, after = asyncio.run(work())
+    try:
+        assert all(isinstance(o, CallResult) and not o.is_error for o in calls), calls
+        assert isinstance(huge, CallResult) and huge.is_error, huge
+        assert "over the 262,144 one call may carry" in huge.text, huge.text
+        assert isinstance(after, CallResult) and not after.is_error, after
+        assert session.info()["status"] == "running"
+    finally:
+        agent.close()
+    assert session.result is not None and session.result.state.usage.total_tokens == 0
