@@ -26,7 +26,8 @@ The wrappers, outermost first, and why in this order:
                                     anything runs or is counted: a denied call costs no rate budget
                 output filter       the policy sees the final output the model would get
                 runtime controls    kill switch check, action rate limits (per run, per tenant: wait
-                                    for the window, or stop the run), the tool's breaker
+                                    for the window, or stop the run), the tool's breaker (the
+                                    run's own: caller errors such as a missing file count not)
                 the tool
     sandbox op  policy guard again  every op, whatever tool issued it (defence in depth); an op of a
                                     call a human already approved is not asked about twice
@@ -123,7 +124,7 @@ from stockade.runs.snapshots import RunSnapshots
 from stockade.runs.store import RunSetup, RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import ANOMALY_RULE, AnomalyMonitor, Finding, configured_rules
-from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
+from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend, RunBreakers
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
@@ -773,12 +774,14 @@ class AgentSession:
             observer=reported,
             tenant=config.tenant,
         )
+        # its tools' breakers its own (its sandbox's), the providers' and backends' shared
+        self.breakers = RunBreakers.of(owner.breakers)
         monitor = self.monitor = (
             AnomalyMonitor(
                 rules=owner.anomaly_rules,
                 clock=owner.clock,
                 observer=owner.runtime_observer,
-                breakers=owner.breakers,
+                breakers=self.breakers,
                 kill_switch=self.kill_switch,
                 on_kill=self._isolate,
             )
@@ -787,7 +790,7 @@ class AgentSession:
         )
         self.controls = RuntimeControls(
             run_id=run_id,
-            breakers=owner.breakers,
+            breakers=self.breakers,
             rate=owner.rate,
             rate_key=f"tenant:{config.tenant}",
             run_rate=owner.run_rate,

@@ -189,8 +189,9 @@ class ClientModel(Model):
 
 
 class McpAgent:
-    """One ``GuardedAgent`` for the MCP server (its rate and spend windows, breakers and audit
-    trail are shared by every session), and the sessions it holds."""
+    """One ``GuardedAgent`` for the MCP server (its rate and spend windows, model and backend
+    breakers and audit trail are shared by every session; its tools' breakers are each
+    session's own, as each run's are), and the sessions it holds."""
 
     def __init__(self, config: AgentConfig, *, workspace: str | Path | None = None) -> None:
         """``config.model`` is replaced: the model of an MCP session is its client."""

@@ -29,6 +29,8 @@ from stockade.server.mcp_session import (
     Paused,
 )
 from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.tools.base import ToolContext, tool
+from stockade.tools.builtin import default_toolset
 from stockade.types import CommandResult, Trust
 
 POLICY = Policy(
@@ -314,3 +316,51 @@ def test_a_session_spends_no_tokens_and_a_huge_call_is_refused_by_its_size(tmp_p
     finally:
         agent.close()
     assert session.result is not None and session.result.state.usage.total_tokens == 0
+
+
+@tool
+def flaky(ctx: ToolContext, fail: bool) -> str:
+    """A tool whose own failure is asked for.
+
+    Args:
+        fail: whether it fails.
+    """
+    if fail:
+        raise RuntimeError("the tool's service is down")
+    return "ok"
+
+
+def test_a_sessions_errors_open_no_breaker_of_another_session(tmp_path: Path) -> None:
+    """Found from outside: the tools' breakers were the server's, and a missing file counted
+    as read_file failing. One session reading five missing files opened ``tool:read_file`` for
+    every session (``CircuitOpen``, retry in 30 s), and five such refusals ended another's
+    run "broken". Now a caller's error opens no breaker, and a session's tool failing opens
+    that tool's breaker for that session alone."""
+    agent = McpAgent(
+        AgentConfig(
+            model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(), tier="process"),
+            audit=AuditLog(MemoryStore(), flush_interval_s=None), approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"), max_consecutive_failures=None,
+            tools=default_toolset().including(flaky),
+        )
+    )  # fmt: skip
+    prober, victim = agent.session("prober", client="test"), agent.session("victim", client="test")
+
+    async def work() -> tuple[list[object], list[object], list[object], list[object]]:
+        await victim.call("write_file", {"path": "notes.txt", "content": "mine"})
+        missing = [await prober.call("read_file", {"path": f"missing-{n}.txt"}) for n in range(7)]
+        failing = [await prober.call("flaky", {"fail": True}) for _ in range(6)]
+        read = [await victim.call("read_file", {"path": "notes.txt"}) for _ in range(6)]
+        return missing, failing, read, [await victim.call("flaky", {"fail": False})]
+
+    missing, failing, read, [served] = asyncio.run(work())
+    try:
+        assert all(isinstance(o, CallResult) and "CircuitOpen" not in o.text for o in missing), missing
+        assert all(isinstance(o, CallResult) and "no such file" in o.text for o in missing), missing
+        # five failures of the tool itself open its breaker, for the session they happened in
+        assert isinstance(failing[-1], CallResult) and "CircuitOpen" in failing[-1].text, failing[-1]
+        assert all(isinstance(o, CallResult) and "mine" in o.text for o in read), read
+        assert isinstance(served, CallResult) and not served.is_error and "ok" in served.text, served
+        assert victim.info()["status"] == "running"
+    finally:
+        agent.close()
