@@ -108,6 +108,7 @@ from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import (
     CLIENT_ACTOR,
+    SYSTEM_ACTOR,
     ApprovalBook,
     ApprovalRequest,
     Approvals,
@@ -349,9 +350,14 @@ def _require_compliance(agent: GuardedAgent, runs_url: str | None) -> None:
 
 def _decider_actor(by: str) -> str:
     """The trail's actor for a decision recorded as made by ``by``: a person, unless a program
-    (an MCP client's elicitation) decided; that one is not recorded as a human."""
+    (an MCP client's elicitation) decided, or nobody did (a wait that ran out, a call its client
+    gave up: ``system:timeout``, ``system:cancelled``); neither is recorded as a human."""
     if by.startswith(CLIENT_ACTOR):
         return by
+    if by.startswith(SYSTEM_ACTOR):
+        return SYSTEM_ACTOR + by.removeprefix(SYSTEM_ACTOR).partition(":")[0]
+    if by.startswith("nobody"):  # a book written before ``unanswered``: no person either
+        return SYSTEM_ACTOR + "unanswered"
     return "human:" + by if by else "human"
 
 
@@ -400,11 +406,14 @@ class _AuditedApprovals(Approvals):
         }
         if call is not None:
             attributes["call_id"] = call
+        actor = _decider_actor(by) if decided else "policy"
+        if actor.startswith(SYSTEM_ACTOR):
+            attributes["why"] = by  # what the actor leaves out: nobody answered within how long
         self.log.record(
             EventKind.APPROVAL,
             run_id=request.run_id,
             step=step,
-            actor=_decider_actor(by) if decided else "policy",
+            actor=actor,
             attributes=attributes,
         )
 

@@ -56,8 +56,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade._display import visible
+from stockade.policy import approval
 from stockade.policy.approval import CLIENT_ACTOR, Choice
 from stockade.server.mcp_session import (
+    CANCELLED,
     CallResult,
     Ended,
     McpAgent,
@@ -285,11 +287,7 @@ class McpFace:
                 # undecided is denied and the run goes on, or the session's next call would
                 # wait behind a decision nobody is asked for any more.
                 with anyio.CancelScope(shield=True), contextlib.suppress(exc.StockadeError):
-                    await anyio.to_thread.run_sync(
-                        functools.partial(
-                            session.give_up, outcome, by="nobody: the MCP client cancelled the call"
-                        )
-                    )
+                    await anyio.to_thread.run_sync(functools.partial(session.give_up, outcome, by=CANCELLED))
                 raise
             outcome = await session.resume()
         return _result(outcome)
@@ -338,7 +336,7 @@ class McpFace:
                     related_request_id=ctx.request_id,
                 )
             if answer is None:
-                unanswered = f"nobody: the MCP client answered nothing within {wait_s:g} s"
+                unanswered = approval.unanswered(f"the MCP client answered nothing within {wait_s:g} s")
                 await self._deny(session, pending, unanswered)
                 return
             approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
@@ -358,7 +356,7 @@ class McpFace:
             if await anyio.to_thread.run_sync(lambda: session.decision(pending)) is not None:
                 return
             await anyio.sleep(0.25)
-        await self._deny(session, pending, f"nobody within {wait_s:g} s")
+        await self._deny(session, pending, approval.unanswered(f"nobody answered within {wait_s:g} s"))
 
     @staticmethod
     async def _deny(session: McpSession, pending: PendingApproval, by: str) -> None:

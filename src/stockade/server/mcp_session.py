@@ -49,7 +49,7 @@ from stockade.agent.state import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
 from stockade.models.base import Model
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage, Usage
-from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.policy.approval import ApprovalRequest, Choice, unanswered
 from stockade.policy.schema import Verdict
 from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.facade import Sandbox
@@ -61,6 +61,7 @@ from stockade.tools.deadline import stopping
 from stockade.tools.workspace_diff import snapshot, workspace_diff
 
 __all__ = [
+    "CANCELLED",
     "MODEL_NAME",
     "CallResult",
     "ClientModel",
@@ -151,6 +152,8 @@ _running: contextvars.ContextVar[McpSession | None] = contextvars.ContextVar(
 )
 
 MODEL_NAME = "mcp"  # what the policy's [models] approved list must allow
+# who denied what a cancelled call waited for: nobody was left to ask
+CANCELLED = unanswered("the MCP client cancelled the call", timeout=False)
 # What a client's call counts as: one request and no tokens. The client's model is not ours to
 # count, and a response without usage is estimated from the whole history each step: a session
 # reading 40 KB files ended "budget" (1 M tokens) after 23 reads, and one 3.9 MB write_file
@@ -468,7 +471,9 @@ class McpSession:
                 while result.status is RunStatus.PAUSED:
                     paused = self._paused(session)
                     if not self._answer(paused):  # its caller was cancelled: nobody will decide
-                        self.give_up(paused, by="nobody: the MCP client cancelled the call")
+                        self.give_up(
+                            paused, by=unanswered("the MCP client cancelled the call", timeout=False)
+                        )
                     future = self._control.get()
                     if future is None:  # the client left while an action waited: it stays undecided
                         break

@@ -26,6 +26,7 @@ from stockade.server.mcp_session import (
     CallResult,
     Ended,
     McpAgent,
+    Outcome,
     Paused,
 )
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -346,7 +347,7 @@ def test_a_sessions_errors_open_no_breaker_of_another_session(tmp_path: Path) ->
     )  # fmt: skip
     prober, victim = agent.session("prober", client="test"), agent.session("victim", client="test")
 
-    async def work() -> tuple[list[object], list[object], list[object], list[object]]:
+    async def work() -> tuple[list[Outcome], list[Outcome], list[Outcome], list[Outcome]]:
         await victim.call("write_file", {"path": "notes.txt", "content": "mine"})
         missing = [await prober.call("read_file", {"path": f"missing-{n}.txt"}) for n in range(7)]
         failing = [await prober.call("flaky", {"fail": True}) for _ in range(6)]
