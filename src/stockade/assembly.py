@@ -114,6 +114,7 @@ from stockade.policy.approval import (
     Approvals,
     ApprovalStore,
     Approver,
+    Choice,
 )
 from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
@@ -372,6 +373,9 @@ class _AuditedApprovals(Approvals):
         # one per refused exec (2,000 refused execs were 2,000 "pending" events)
         self._full: set[str] = set()
         self._full_lock = threading.Lock()
+        # the requests whose decision ``decide`` recorded, by run: the run asking again finds
+        # it in the book, and records it no second time
+        self._told: dict[str, set[str]] = {}
 
     def _decider(self, request: ApprovalRequest) -> str:
         """Who decided, as the approval book has it (``stockade approve --by``, the viewer, an
@@ -382,12 +386,33 @@ class _AuditedApprovals(Approvals):
             (r.get("by", "") for r in self.store.requests(request.run_id) if r.get("id") == request.id), ""
         )
 
+    def decide(self, request: ApprovalRequest, choice: Choice, *, by: str) -> None:
+        """Write a decision to the book, and to the trail at once: a run that never asks for
+        the request again (it ended, or the request was an exec refused on the spot) left it
+        out of the trail (21 answered through MCP, 1 decision recorded)."""
+        if self.store is None:
+            raise ConfigurationError("no approval book to decide in: give the agent one")
+        self.store.decide(request.run_id, request.id, choice, by=by)
+        with self._full_lock:
+            self._told.setdefault(request.run_id, set()).add(request.id)
+        self._record(request, choice.value)
+
+    def _recorded(self, request: ApprovalRequest) -> bool:
+        """Whether ``decide`` recorded the decision the run now reads (once: a yes spent leaves
+        the action to be asked anew, its next decision its own)."""
+        with self._full_lock:
+            told = self._told.get(request.run_id, set())
+            found = request.id in told
+            told.discard(request.id)
+            return found
+
     def withdraw(self, run_id: str) -> list[ApprovalRequest]:
         closed = super().withdraw(run_id)
         for request in closed:
             self._record(request, "withdrawn")
         with self._full_lock:
             self._full.discard(run_id)
+            self._told.pop(run_id, None)
         return closed
 
     def _record(self, request: ApprovalRequest, outcome: str, **more: object) -> None:
@@ -432,9 +457,11 @@ class _AuditedApprovals(Approvals):
                 self._record(request, "full", limit=self.max_pending)
             raise
         except PolicyDenied:
-            self._record(request, "denied")
+            if not self._recorded(request):
+                self._record(request, "denied")
             raise
-        self._record(request, "approved")
+        if not self._recorded(request):
+            self._record(request, "approved")
         if not _asking_for_exec.get():
             _call_approved.set(True)
 

@@ -376,11 +376,9 @@ class McpSession:
         return await asyncio.wrap_future(future)
 
     def decide(self, pending: PendingApproval, choice: Choice, *, by: str) -> None:
-        """Record a decision in the approval book the run reads (as ``stockade approve`` does)."""
-        store = self.owner.agent.approvals.store
-        if store is None:
-            raise exc.ConfigurationError("this MCP server has no approval book")
-        store.decide(pending.run_id, pending.request_id, choice, by=by)
+        """Record a decision in the approval book the run reads (as ``stockade approve`` does),
+        and in the audit trail now, whether or not the run asks for it again."""
+        self.owner.agent.approvals.decide(pending.request(), choice, by=by)
 
     def wall_left(self) -> float:
         """The seconds left of the session's wall time (``--max-session-s``) as its run counts

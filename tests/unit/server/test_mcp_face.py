@@ -191,7 +191,7 @@ def test_an_elicitation_nobody_answers_is_denied_when_the_wait_or_the_session_en
         result
     )
     deniers = [
-        (e.actor, e.attributes["why"])
+        (e.actor, str(e.attributes["why"]))
         for e in server.agent.agent.audit_log.store.events()
         if e.kind.value == "approval" and e.attributes["outcome"] == "denied"
     ]

@@ -14,6 +14,7 @@ import pytest
 from stockade.agent import RunLimits
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
+from stockade.audit.verify import verify
 from stockade.exceptions import SessionBusy
 from stockade.policy import Policy
 from stockade.policy.approval import Choice
@@ -365,3 +366,36 @@ def test_a_sessions_errors_open_no_breaker_of_another_session(tmp_path: Path) ->
         assert victim.info()["status"] == "running"
     finally:
         agent.close()
+
+
+def test_every_decision_made_through_mcp_reaches_the_trail(agent: McpAgent) -> None:
+    """Found from outside: 21 elicitations answered, 21 decisions in the approval book, 1 in
+    the audit trail: a decision was recorded only when the run asked for its request again,
+    and a run that never did (it ended first, or the request was one it had stopped waiting
+    for) left it out. Each decision is recorded as it is made, once, and the chain verifies."""
+    session = agent.session("one", client="test")
+
+    async def work() -> list[object]:
+        outcomes: list[object] = []
+        for n, choice in enumerate((Choice.APPROVED, Choice.DENIED)):
+            paused = await session.call("run_code", {"code": f"rm -r build{n}", "language": "bash"})
+            assert isinstance(paused, Paused)
+            session.decide(paused.approvals[0], choice, by="test")
+            outcomes.append(await session.resume())  # the run asks again: recorded no second time
+        last = await session.call("run_code", {"code": "rm -r left", "language": "bash"})
+        assert isinstance(last, Paused)
+        session.decide(last.approvals[0], Choice.APPROVED, by="test")
+        await session.aclose()  # the client left before the run asked again
+        return outcomes
+
+    approved, denied = asyncio.run(work())
+    agent.close()
+    assert isinstance(approved, CallResult) and not approved.is_error, approved
+    assert isinstance(denied, CallResult) and denied.is_error, denied
+    store = agent.agent.audit_log.store
+    approvals = [e for e in store.events(run_id=session.run_id) if e.kind.value == "approval"]
+    decided = [(e.attributes["outcome"], e.actor) for e in approvals if e.attributes["outcome"] != "pending"]
+    assert decided == [("approved", "human:test"), ("denied", "human:test"), ("approved", "human:test")]
+    assert len([e for e in approvals if e.attributes["outcome"] == "pending"]) == 3
+    report = verify(store, run_id=session.run_id)
+    assert report.ok and report.found, report.problems
