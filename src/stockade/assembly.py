@@ -26,7 +26,8 @@ The wrappers, outermost first, and why in this order:
                                     anything runs or is counted: a denied call costs no rate budget
                 output filter       the policy sees the final output the model would get
                 runtime controls    kill switch check, action rate limits (per run, per tenant: wait
-                                    for the window, or stop the run), the tool's breaker
+                                    for the window, or stop the run), the tool's breaker (the
+                                    run's own: caller errors such as a missing file count not)
                 the tool
     sandbox op  policy guard again  every op, whatever tool issued it (defence in depth); an op of a
                                     call a human already approved is not asked about twice
@@ -107,11 +108,13 @@ from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import (
     CLIENT_ACTOR,
+    SYSTEM_ACTOR,
     ApprovalBook,
     ApprovalRequest,
     Approvals,
     ApprovalStore,
     Approver,
+    Choice,
 )
 from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
@@ -123,7 +126,7 @@ from stockade.runs.snapshots import RunSnapshots
 from stockade.runs.store import RunSetup, RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import ANOMALY_RULE, AnomalyMonitor, Finding, configured_rules
-from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
+from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend, RunBreakers
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
@@ -348,9 +351,14 @@ def _require_compliance(agent: GuardedAgent, runs_url: str | None) -> None:
 
 def _decider_actor(by: str) -> str:
     """The trail's actor for a decision recorded as made by ``by``: a person, unless a program
-    (an MCP client's elicitation) decided; that one is not recorded as a human."""
+    (an MCP client's elicitation) decided, or nobody did (a wait that ran out, a call its client
+    gave up: ``system:timeout``, ``system:cancelled``); neither is recorded as a human."""
     if by.startswith(CLIENT_ACTOR):
         return by
+    if by.startswith(SYSTEM_ACTOR):
+        return SYSTEM_ACTOR + by.removeprefix(SYSTEM_ACTOR).partition(":")[0]
+    if by.startswith("nobody"):  # a book written before ``unanswered``: no person either
+        return SYSTEM_ACTOR + "unanswered"
     return "human:" + by if by else "human"
 
 
@@ -365,6 +373,9 @@ class _AuditedApprovals(Approvals):
         # one per refused exec (2,000 refused execs were 2,000 "pending" events)
         self._full: set[str] = set()
         self._full_lock = threading.Lock()
+        # the requests whose decision ``decide`` recorded, by run: the run asking again finds
+        # it in the book, and records it no second time
+        self._told: dict[str, set[str]] = {}
 
     def _decider(self, request: ApprovalRequest) -> str:
         """Who decided, as the approval book has it (``stockade approve --by``, the viewer, an
@@ -375,12 +386,33 @@ class _AuditedApprovals(Approvals):
             (r.get("by", "") for r in self.store.requests(request.run_id) if r.get("id") == request.id), ""
         )
 
+    def decide(self, request: ApprovalRequest, choice: Choice, *, by: str) -> None:
+        """Write a decision to the book, and to the trail at once: a run that never asks for
+        the request again (it ended, or the request was an exec refused on the spot) left it
+        out of the trail (21 answered through MCP, 1 decision recorded)."""
+        if self.store is None:
+            raise ConfigurationError("no approval book to decide in: give the agent one")
+        self.store.decide(request.run_id, request.id, choice, by=by)
+        with self._full_lock:
+            self._told.setdefault(request.run_id, set()).add(request.id)
+        self._record(request, choice.value)
+
+    def _recorded(self, request: ApprovalRequest) -> bool:
+        """Whether ``decide`` recorded the decision the run now reads (once: a yes spent leaves
+        the action to be asked anew, its next decision its own)."""
+        with self._full_lock:
+            told = self._told.get(request.run_id, set())
+            found = request.id in told
+            told.discard(request.id)
+            return found
+
     def withdraw(self, run_id: str) -> list[ApprovalRequest]:
         closed = super().withdraw(run_id)
         for request in closed:
             self._record(request, "withdrawn")
         with self._full_lock:
             self._full.discard(run_id)
+            self._told.pop(run_id, None)
         return closed
 
     def _record(self, request: ApprovalRequest, outcome: str, **more: object) -> None:
@@ -399,11 +431,14 @@ class _AuditedApprovals(Approvals):
         }
         if call is not None:
             attributes["call_id"] = call
+        actor = _decider_actor(by) if decided else "policy"
+        if actor.startswith(SYSTEM_ACTOR):
+            attributes["why"] = by  # what the actor leaves out: nobody answered within how long
         self.log.record(
             EventKind.APPROVAL,
             run_id=request.run_id,
             step=step,
-            actor=_decider_actor(by) if decided else "policy",
+            actor=actor,
             attributes=attributes,
         )
 
@@ -422,9 +457,11 @@ class _AuditedApprovals(Approvals):
                 self._record(request, "full", limit=self.max_pending)
             raise
         except PolicyDenied:
-            self._record(request, "denied")
+            if not self._recorded(request):
+                self._record(request, "denied")
             raise
-        self._record(request, "approved")
+        if not self._recorded(request):
+            self._record(request, "approved")
         if not _asking_for_exec.get():
             _call_approved.set(True)
 
@@ -773,12 +810,14 @@ class AgentSession:
             observer=reported,
             tenant=config.tenant,
         )
+        # its tools' breakers its own (its sandbox's), the providers' and backends' shared
+        self.breakers = RunBreakers.of(owner.breakers)
         monitor = self.monitor = (
             AnomalyMonitor(
                 rules=owner.anomaly_rules,
                 clock=owner.clock,
                 observer=owner.runtime_observer,
-                breakers=owner.breakers,
+                breakers=self.breakers,
                 kill_switch=self.kill_switch,
                 on_kill=self._isolate,
             )
@@ -787,7 +826,7 @@ class AgentSession:
         )
         self.controls = RuntimeControls(
             run_id=run_id,
-            breakers=owner.breakers,
+            breakers=self.breakers,
             rate=owner.rate,
             rate_key=f"tenant:{config.tenant}",
             run_rate=owner.run_rate,

@@ -73,6 +73,11 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
         ├── RunWaitTimeout            [retryable] a run still going when a client's wait ended
         └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
 
+An error that is the caller's (``caller_error``: a ConfigurationError, WorkspaceError,
+PolicyDenied, InvalidToolCall, PatchRejected, CallCancelled, SnapshotNotFound, ResourceNotFound
+or RequestTooLarge) says what was asked was wrong, not that what served it failed: no circuit
+breaker counts it (a run reading missing files opened ``tool:read_file`` for every run).
+
 A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
 apart from the error tree, as ``asyncio.CancelledError`` is. It derives from ``BaseException``,
 so that no ``except Exception`` (a tool's, a wrapper's) can swallow a kill or a pause on its
@@ -198,9 +203,15 @@ def _rebuild(cls: type[_Raised], message: str, state: dict[str, Any]) -> _Raised
 class StockadeError(_Raised, Exception):
     """Root of every error stockade raises on purpose."""
 
+    # what was asked was wrong (a path that is not there, an argument, a denied action), not
+    # the thing that served it: no circuit breaker counts it as that thing's failure
+    caller_error: ClassVar[bool] = False
+
 
 class ConfigurationError(StockadeError):
     """The caller asked for something invalid; fix the call or the configuration."""
+
+    caller_error = True
 
 
 class InvalidArgument(ConfigurationError):
@@ -372,6 +383,8 @@ class SnapshotNotFound(SnapshotError):
     """The store has no snapshot with that id, or no paused sandbox with that id: never
     taken, deleted, already resumed, or collected."""
 
+    caller_error = True
+
 
 class SnapshotCorrupt(SnapshotError):
     """What the store holds under a snapshot's id does not hash to it: a file was modified
@@ -390,6 +403,8 @@ class SnapshotIncompatible(SnapshotError):
 
 class WorkspaceError(StockadeError):
     """A files call was refused. ``path`` is the path as the caller gave it."""
+
+    caller_error = True
 
     def __init__(self, message: str, *, path: str = "") -> None:
         super().__init__(message)
@@ -442,6 +457,8 @@ class WorkspaceFull(WorkspaceError):
 
 class PolicyDenied(StockadeError):
     """A guard refused the action. The agent feeds this back to the model; it is not a crash."""
+
+    caller_error = True
 
     def __init__(self, message: str, *, rule: str = "", action: str = "") -> None:
         super().__init__(message)
@@ -528,6 +545,8 @@ class ResourceNotFound(ServiceError):
     """No such sandbox, run or approval request, for this caller: another tenant's ids are
     answered the same way, so that they cannot be probed."""
 
+    caller_error = True
+
     def __init__(self, message: str, *, kind: str = "", id: str = "") -> None:
         super().__init__(message)
         self.kind = kind
@@ -537,6 +556,8 @@ class ResourceNotFound(ServiceError):
 class RequestTooLarge(ServiceError):
     """A request's body is over the service's cap (HTTP 413), refused before it is read
     whole; ``limit``: the cap in bytes, ``fix``: how to send that much instead."""
+
+    caller_error = True
 
     def __init__(self, message: str, *, limit: int = 0, fix: str = "") -> None:
         super().__init__(message)
@@ -574,9 +595,13 @@ class ToolError(StockadeError):
 class InvalidToolCall(ToolError):
     """The model named an unknown tool or passed arguments that fail the tool's schema."""
 
+    caller_error = True
+
 
 class PatchRejected(ToolError):
     """A unified diff does not apply. ``path`` and ``hunk`` (1-based) say where; nothing changed."""
+
+    caller_error = True
 
     def __init__(self, message: str, *, path: str = "", hunk: int = 0) -> None:
         super().__init__(message)
@@ -597,6 +622,8 @@ class ToolTimeout(ToolError):
 class CallCancelled(ToolError):
     """Whoever asked for the call (an MCP client's ``notifications/cancelled``) gave it up
     while it ran: what it ran in the sandbox was cut, and nothing it asks afterwards runs."""
+
+    caller_error = True
 
 
 class ModelError(StockadeError):

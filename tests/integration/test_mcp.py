@@ -236,7 +236,7 @@ def test_a_stdio_call_nobody_approves_is_denied(project: Path) -> None:
             return await client.call_tool("run_code", {"code": "rm -r nothing-here", "language": "bash"})
 
     refused = asyncio.run(session())
-    assert refused.is_error and "a human denied" in _text(refused), _text(refused)
+    assert refused.is_error and "denied, as nobody answered within 1 s" in _text(refused), _text(refused)
 
 
 class _Wire:

@@ -84,6 +84,15 @@ def mcp(
     max_denials: Annotated[
         int, typer.Option("--max-denials", help="denied calls in a row that end a session")
     ] = 3,
+    max_invalid: Annotated[
+        int,
+        typer.Option(
+            "--max-invalid-calls",
+            min=0,
+            help="calls a session may make that run nothing (an unknown tool, arguments that do not "
+            "fit its schema or are over 256 KiB); one more ends it",
+        ),
+    ] = 100,
     max_failures: Annotated[
         int,
         typer.Option(
@@ -162,7 +171,10 @@ def mcp(
         config = AgentConfig(
             model=MODEL_NAME,  # replaced by the client: see McpAgent
             policy=policy, role=role, trust=trust, tier=tier, audit=audit_db, runs_url=runs_db,
-            limits=RunLimits(max_steps=max_steps, max_wall_s=max_wall, max_denials=max_denials),
+            # no token budget: the client's calls count none (its model is not ours to count)
+            limits=RunLimits(
+                max_steps=max_steps, max_wall_s=max_wall, max_denials=max_denials, max_malformed=max_invalid
+            ),
             rate_per_minute=rate, dollars_per_hour=spend_per_hour, kill_target=kill_target,
             max_consecutive_failures=max_failures or None,
         )  # fmt: skip

@@ -63,6 +63,7 @@ __all__ = [
     "CLIENT_ACTOR",
     "MAX_PENDING",
     "SPENT",
+    "SYSTEM_ACTOR",
     "ApprovalBook",
     "ApprovalRequest",
     "ApprovalStore",
@@ -71,6 +72,7 @@ __all__ = [
     "Choice",
     "cli_approver",
     "default_approval_dir",
+    "unanswered",
 ]
 
 
@@ -84,6 +86,24 @@ SPENT = "spent"  # the status of a yes that was applied: it answers nothing more
 # trail records it as it is, not as "human:" (the client's user may not have seen the question).
 CLIENT_ACTOR = "mcp-client:"
 WITHDRAWN = "stockade: the run ended before anyone decided"  # who closed a request (``withdraw``)
+# A decision's ``by`` that is no one's: nobody answered in time, or nobody was left to ask
+# (``unanswered``). The trail records its actor as ``system:timeout`` (or ``system:cancelled``),
+# and the model is told nobody answered: "human:nobody within 8 s" and "a human denied" said
+# a person had decided.
+SYSTEM_ACTOR = "system:"
+
+
+def unanswered(why: str, *, timeout: bool = True) -> str:
+    """The ``by`` of a denial nobody decided: ``why`` (``"nobody answered within 8 s"``) after
+    ``system:timeout: `` (``system:cancelled: `` when nobody was left to answer)."""
+    return f"{SYSTEM_ACTOR}{'timeout' if timeout else 'cancelled'}: {why}"
+
+
+def _nobody(by: str) -> str | None:
+    """Why nobody decided, when ``by`` is no one's (``unanswered``, or a book's "nobody ...")."""
+    if by.startswith(SYSTEM_ACTOR):
+        return by.partition(": ")[2] or by
+    return by if by.startswith("nobody") else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -457,7 +477,9 @@ class Approvals:
         if choice is Choice.APPROVED:
             return
         if choice is Choice.DENIED:
-            raise PolicyDenied(f"a human denied: {request.action} ({request.reason})", rule=request.rule,
+            nobody = _nobody(_decided_by(store, request)) if store is not None else None
+            who = "a human denied" if nobody is None else f"denied, as {nobody}"
+            raise PolicyDenied(f"{who}: {request.action} ({request.reason})", rule=request.rule,
                                action=request.action)  # fmt: skip
         if self.store is None:
             raise PolicyDenied(
@@ -527,3 +549,8 @@ def cli_approver(request: ApprovalRequest) -> Choice | None:
         default=False,
     )
     return Choice.APPROVED if approved else Choice.DENIED
+
+
+def _decided_by(store: ApprovalBook, request: ApprovalRequest) -> str:
+    """Who decided ``request``, as its book has it ("" when it says nobody)."""
+    return next((r.get("by", "") for r in store.requests(request.run_id) if r.get("id") == request.id), "")

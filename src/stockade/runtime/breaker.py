@@ -3,7 +3,13 @@
 CLOSED --(threshold consecutive failures)--> OPEN --(cooldown_s)--> HALF_OPEN
 HALF_OPEN lets one trial call through: success closes, failure re-opens.
 While open, calls are refused with ``CircuitOpen`` (retryable, ``retry_after`` = time left).
-A policy denial or another runtime refusal is not a failure of the thing behind the breaker.
+A caller's error (``StockadeError.caller_error``: a missing file, a wrong argument, a policy
+denial) or a runtime refusal is not a failure of the thing behind the breaker.
+
+A run's tool breakers (``tool:NAME``) are its own (``RunBreakers``): its tools work on its own
+sandbox, so a tool failing in one run says nothing of another's (one MCP session reading five
+missing files opened ``tool:read_file`` for every session). Providers' and backends' breakers
+are shared by every run.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from stockade.exceptions import CircuitOpen, PolicyDenied, RunStopped, RuntimeLimit, SandboxError
+from stockade.exceptions import CircuitOpen, RunStopped, RuntimeLimit, SandboxError, StockadeError
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import BreakerChanged, BreakerState, Observer, ignore
 from stockade.sandbox.base import (
@@ -33,6 +39,7 @@ __all__ = [
     "Breakers",
     "BreakingBackend",
     "CircuitBreaker",
+    "RunBreakers",
     "counts_as_failure",
     "sandbox_failure",
 ]
@@ -40,15 +47,19 @@ __all__ = [
 T = TypeVar("T")
 
 
+def _callers(err: BaseException) -> bool:
+    return isinstance(err, StockadeError) and err.caller_error
+
+
 def counts_as_failure(err: BaseException) -> bool:
-    """Denials, limits and run signals (a kill, a pause for approval) are no failure of the
-    protected thing; anything else is."""
-    return not isinstance(err, PolicyDenied | RuntimeLimit | RunStopped)
+    """The caller's errors (denials, a missing file, a wrong argument), limits and run signals
+    (a kill, a pause for approval) are no failure of the protected thing; anything else is."""
+    return not isinstance(err, RuntimeLimit | RunStopped) and not _callers(err)
 
 
 def sandbox_failure(err: BaseException) -> bool:
     """A failure of the backend itself, not of what the caller asked (a missing file is not)."""
-    return isinstance(err, SandboxError | ConnectionError | TimeoutError)
+    return isinstance(err, SandboxError | ConnectionError | TimeoutError) and not _callers(err)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +225,21 @@ class Breakers:
         with self._lock:
             made = dict(self._made)
         return {name: b.state for name, b in made.items()}
+
+
+@dataclass(kw_only=True)
+class RunBreakers(Breakers):
+    """One run's breakers: its tools' (``tool:NAME``) its own, every other name ``shared``'s."""
+
+    shared: Breakers
+
+    def get(self, name: str) -> CircuitBreaker:
+        return super().get(name) if name.startswith("tool:") else self.shared.get(name)
+
+    @classmethod
+    def of(cls, shared: Breakers) -> RunBreakers:
+        """A run's breakers, configured and observed as ``shared`` is."""
+        return cls(config=shared.config, clock=shared.clock, observer=shared.observer, shared=shared)
 
 
 class BreakerInstance(WrapperInstance):

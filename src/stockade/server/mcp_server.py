@@ -56,8 +56,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade._display import visible
+from stockade.policy import approval
 from stockade.policy.approval import CLIENT_ACTOR, Choice
 from stockade.server.mcp_session import (
+    CANCELLED,
     CallResult,
     Ended,
     McpAgent,
@@ -312,11 +314,7 @@ class McpFace:
                 # undecided is denied and the run goes on, or the session's next call would
                 # wait behind a decision nobody is asked for any more.
                 with anyio.CancelScope(shield=True), contextlib.suppress(exc.StockadeError):
-                    await anyio.to_thread.run_sync(
-                        functools.partial(
-                            session.give_up, outcome, by="nobody: the MCP client cancelled the call"
-                        )
-                    )
+                    await anyio.to_thread.run_sync(functools.partial(session.give_up, outcome, by=CANCELLED))
                 raise
             outcome = await session.resume()
         return _result(outcome)
@@ -352,7 +350,7 @@ class McpFace:
         held its call, its sandbox and (over HTTP) its session's slot for good, past
         ``--approval-wait`` and ``--max-session-s``. Past the deadline nobody is asked."""
         if anyio.current_time() >= deadline:
-            await self._deny(session, pending, f"nobody: the pause's {wait_s:g} s had run out")
+            await self._deny(session, pending, approval.unanswered(f"the pause's {wait_s:g} s had run out"))
             return
         caps = ctx.session.client_capabilities
         if (
@@ -369,7 +367,7 @@ class McpFace:
                     related_request_id=ctx.request_id,
                 )
             if answer is None:
-                unanswered = f"nobody: the MCP client answered nothing within {wait_s:g} s"
+                unanswered = approval.unanswered(f"the MCP client answered nothing within {wait_s:g} s")
                 await self._deny(session, pending, unanswered)
                 return
             approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
@@ -389,7 +387,7 @@ class McpFace:
             if await anyio.to_thread.run_sync(lambda: session.decision(pending)) is not None:
                 return
             await anyio.sleep(min(0.25, max(0.0, deadline - anyio.current_time())))
-        await self._deny(session, pending, f"nobody within {wait_s:g} s")
+        await self._deny(session, pending, approval.unanswered(f"nobody answered within {wait_s:g} s"))
 
     @staticmethod
     async def _deny(session: McpSession, pending: PendingApproval, by: str) -> None:

@@ -49,8 +49,8 @@ from stockade.agent.loop import RunResult
 from stockade.agent.state import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
 from stockade.models.base import Model
-from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage
-from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage, Usage
+from stockade.policy.approval import ApprovalRequest, Choice, unanswered
 from stockade.policy.schema import Verdict
 from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.facade import Sandbox
@@ -62,6 +62,7 @@ from stockade.tools.deadline import stopping
 from stockade.tools.workspace_diff import snapshot, workspace_diff
 
 __all__ = [
+    "CANCELLED",
     "MODEL_NAME",
     "CallResult",
     "ClientModel",
@@ -152,6 +153,13 @@ _running: contextvars.ContextVar[McpSession | None] = contextvars.ContextVar(
 )
 
 MODEL_NAME = "mcp"  # what the policy's [models] approved list must allow
+# who denied what a cancelled call waited for: nobody was left to ask
+CANCELLED = unanswered("the MCP client cancelled the call", timeout=False)
+# What a client's call counts as: one request and no tokens. The client's model is not ours to
+# count, and a response without usage is estimated from the whole history each step: a session
+# reading 40 KB files ended "budget" (1 M tokens) after 23 reads, and one 3.9 MB write_file
+# ended it before the call's own size cap could refuse it.
+_NO_TOKENS = Usage(requests=1)
 
 
 class ClientModel(Model):
@@ -171,19 +179,23 @@ class ClientModel(Model):
             item = await session._next()
             if item is _END or not isinstance(item, _Call):
                 return ModelResponse(
-                    text="the MCP client ended its session", finish_reason="stop", model_name=name
-                )
+                    text="the MCP client ended its session", finish_reason="stop", model_name=name,
+                    usage=_NO_TOKENS,
+                )  # fmt: skip
             with session._lock:  # taken, or cancelled while queued: never both
                 session._unqueue(item)
                 if item.cancelled:
                     continue  # a queued call its client gave up never runs
                 session._current = item
-            return ModelResponse(tool_calls=(item.call,), finish_reason="tool_calls", model_name=name)
+            return ModelResponse(
+                tool_calls=(item.call,), finish_reason="tool_calls", model_name=name, usage=_NO_TOKENS
+            )
 
 
 class McpAgent:
-    """One ``GuardedAgent`` for the MCP server (its rate and spend windows, breakers and audit
-    trail are shared by every session), and the sessions it holds."""
+    """One ``GuardedAgent`` for the MCP server (its rate and spend windows, model and backend
+    breakers and audit trail are shared by every session; its tools' breakers are each
+    session's own, as each run's are), and the sessions it holds."""
 
     def __init__(self, config: AgentConfig, *, workspace: str | Path | None = None) -> None:
         """``config.model`` is replaced: the model of an MCP session is its client."""
@@ -377,11 +389,9 @@ class McpSession:
         return await asyncio.wrap_future(future)
 
     def decide(self, pending: PendingApproval, choice: Choice, *, by: str) -> None:
-        """Record a decision in the approval book the run reads (as ``stockade approve`` does)."""
-        store = self.owner.agent.approvals.store
-        if store is None:
-            raise exc.ConfigurationError("this MCP server has no approval book")
-        store.decide(pending.run_id, pending.request_id, choice, by=by)
+        """Record a decision in the approval book the run reads (as ``stockade approve`` does),
+        and in the audit trail now, whether or not the run asks for it again."""
+        self.owner.agent.approvals.decide(pending.request(), choice, by=by)
 
     def wall_left(self) -> float:
         """The seconds left of the session's wall time (``--max-session-s``) now: what its run
@@ -478,7 +488,9 @@ class McpSession:
                     paused = self._paused(session)
                     self._paused_at = time.monotonic()  # before its caller hears of the pause
                     if not self._answer(paused):  # its caller was cancelled: nobody will decide
-                        self.give_up(paused, by="nobody: the MCP client cancelled the call")
+                        self.give_up(
+                            paused, by=unanswered("the MCP client cancelled the call", timeout=False)
+                        )
                     future = self._control.get()
                     self._waited_s += time.monotonic() - self._paused_at
                     self._paused_at = None

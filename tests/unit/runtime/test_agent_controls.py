@@ -6,6 +6,7 @@ from pathlib import Path
 
 from stockade import Sandbox
 from stockade.agent import Agent, MemoryCheckpointer, RunStatus
+from stockade.exceptions import ToolError
 from stockade.models.messages import ModelResponse, Usage
 from stockade.models.scripted import ScriptedModel, tool_call
 from stockade.policy.agent import guarded_sandbox, policy_guard
@@ -20,7 +21,7 @@ from stockade.runtime.limits import LocalWindow, OnLimit, RateLimit, SpendLimit
 from stockade.runtime.models import LimitedModel
 from stockade.sandbox.ops import ReadFile, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
-from stockade.tools.base import Toolset
+from stockade.tools.base import ToolContext, Toolset, tool
 from stockade.tools.builtin import read_file, shell
 
 
@@ -28,7 +29,31 @@ def commands_run(backend: FakeBackend) -> list[tuple[str, ...]]:
     return [op.argv for op in backend.instances[0].ops if isinstance(op, RunCommand)]
 
 
-def test_a_run_that_keeps_failing_trips_the_breaker(clock: ManualClock) -> None:
+def test_a_run_whose_tool_keeps_failing_trips_the_breaker(clock: ManualClock) -> None:
+    lookups: list[str] = []
+
+    @tool
+    def lookup(ctx: ToolContext, key: str) -> str:
+        """Look a key up in a directory that is down.
+
+        Args:
+            key: the key.
+        """
+        lookups.append(key)
+        raise ToolError("the directory is down")
+
+    model = ScriptedModel([tool_call("lookup", {"key": "a"})] * 8 + ["giving up"])
+    controls = RuntimeControls(run_id="r1", breakers=Breakers(clock=clock))
+    agent = Agent(model, tools=controls.wrap_tools(Toolset([lookup])), observers=[controls.observe])
+    with Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx:
+        result = agent.run_sync("look it up", sandbox=sbx, run_id="r1")
+    assert len(lookups) == 5  # the sixth call and later never reached the tool
+    observations = [c.observation for s in result.steps for c in s.tool_calls]
+    assert all("CircuitOpen" in o for o in observations[5:]) and len(observations) == 8
+
+
+def test_reading_missing_files_is_no_failure_of_the_tool(clock: ManualClock) -> None:
+    """The caller asked for what is not there: read_file did its job, and stays available."""
     backend = FakeBackend(MemoryWorkspace())
     model = ScriptedModel([tool_call("read_file", {"path": "missing.txt"})] * 8 + ["giving up"])
     controls = RuntimeControls(run_id="r1", breakers=Breakers(clock=clock))
@@ -36,9 +61,9 @@ def test_a_run_that_keeps_failing_trips_the_breaker(clock: ManualClock) -> None:
     with Sandbox.create(backend=backend) as sbx:
         result = agent.run_sync("read it", sandbox=sbx, run_id="r1")
     reads = [op for op in backend.instances[0].ops if isinstance(op, ReadFile) and op.path == "missing.txt"]
-    assert len(reads) == 5  # the sixth call and later never reached the sandbox
+    assert len(reads) == 8
     observations = [c.observation for s in result.steps for c in s.tool_calls]
-    assert all("CircuitOpen" in o for o in observations[5:]) and len(observations) == 8
+    assert all("no such file" in o for o in observations) and len(observations) == 8
 
 
 def test_a_runaway_loop_waits_for_the_rate_limit_without_asking_the_model_again(

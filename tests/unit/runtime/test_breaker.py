@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from stockade import exceptions as exc
-from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend, CircuitBreaker
+from stockade.runtime.breaker import (
+    BreakerConfig,
+    Breakers,
+    BreakingBackend,
+    CircuitBreaker,
+    RunBreakers,
+    sandbox_failure,
+)
 from stockade.runtime.clock import ManualClock
 from stockade.runtime.events import BreakerChanged, BreakerState, RuntimeEvent
 from stockade.sandbox.base import SandboxSpec
@@ -152,3 +159,47 @@ def test_a_pause_for_approval_or_a_kill_is_no_failure_of_the_tool(clock: ManualC
         with pytest.raises(exc.ApprovalRequired):
             breaker.call(pauses)
     assert state(breaker) is BreakerState.CLOSED
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        exc.SandboxFileNotFound("no such file: missing.txt", path="missing.txt"),
+        exc.PathEscapeError("../etc outside the workspace", path="../etc"),
+        exc.InvalidArgument("limit is -1", argument="limit"),
+        exc.InvalidToolCall("no tool 'nosuch'"),
+        exc.PatchRejected("hunk 1 does not apply", path="a.py", hunk=1),
+        exc.SnapshotNotFound("no snapshot snap-1"),
+    ],
+    ids=type,
+)
+def test_the_callers_errors_are_no_failure_of_a_tool_nor_a_backend(
+    clock: ManualClock, error: exc.StockadeError
+) -> None:
+    """Found from outside: an MCP session reading five missing files opened ``tool:read_file``
+    (refused for 30 s) for every session. What the caller asked wrong says nothing of the
+    thing that served it: no breaker counts it, however often it comes."""
+    assert error.caller_error
+
+    def wrong() -> None:
+        raise error
+
+    tool = CircuitBreaker("tool:read_file", BreakerConfig(threshold=1), clock=clock)
+    backend = CircuitBreaker("backend:process", BreakerConfig(threshold=1), clock=clock)
+    for _ in range(10):
+        with pytest.raises(type(error)):
+            tool.call(wrong)
+        with pytest.raises(type(error)):
+            backend.call(wrong, error_counts=sandbox_failure)
+    assert state(tool) is BreakerState.CLOSED and state(backend) is BreakerState.CLOSED
+
+
+def test_a_runs_tool_breakers_are_its_own_and_the_rest_shared(clock: ManualClock) -> None:
+    shared = Breakers(config=BreakerConfig(threshold=1), clock=clock)
+    one, other = RunBreakers.of(shared), RunBreakers.of(shared)
+    fail(one.get("tool:run_code"), 1)
+    assert state(one.get("tool:run_code")) is BreakerState.OPEN
+    assert state(other.get("tool:run_code")) is BreakerState.CLOSED  # another run's tool runs
+    assert shared.states() == {}
+    assert one.get("model:gpt") is other.get("model:gpt") is shared.get("model:gpt")
+    assert one.get("backend:process") is shared.get("backend:process")

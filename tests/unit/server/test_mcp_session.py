@@ -15,6 +15,7 @@ import pytest
 from stockade.agent import RunLimits
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
+from stockade.audit.verify import verify
 from stockade.exceptions import ApprovalRequired, SessionBusy
 from stockade.policy import Policy
 from stockade.policy.approval import ApprovalRequest, Choice
@@ -27,9 +28,12 @@ from stockade.server.mcp_session import (
     CallResult,
     Ended,
     McpAgent,
+    Outcome,
     Paused,
 )
 from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.tools.base import ToolContext, tool
+from stockade.tools.builtin import default_toolset
 from stockade.types import CommandResult, Trust
 
 POLICY = Policy(
@@ -351,3 +355,120 @@ def test_the_wall_time_left_shrinks_while_a_pause_waits(agent: McpAgent) -> None
     at_pause, later = asyncio.run(work())
     agent.close()
     assert later < at_pause
+
+
+def test_a_session_spends_no_tokens_and_a_huge_call_is_refused_by_its_size(tmp_path: Path) -> None:
+    """Found from outside: the client's calls were counted as a model's answers without usage,
+    estimated from the whole history each step, so a session reading 40 KB files ended
+    "budget" (1 M tokens) at its 23rd read, and one 3.9 MB write_file ended it instead of being
+    refused. The client's model is not ours to count: a call is one request and no tokens, so
+    even a token budget of 1,000 never ends a session, and the huge call meets its size cap."""
+    agent = McpAgent(
+        AgentConfig(
+            model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(), tier="process"),
+            audit=AuditLog(MemoryStore(), flush_interval_s=None), approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"), limits=RunLimits(max_tokens=1_000),
+        )
+    )  # fmt: skip
+    session = agent.session("one", client="test")
+
+    async def work() -> list[object]:
+        outcomes: list[object] = [
+            await session.call("write_file", {"path": "big.txt", "content": "x\n" * 20_000})
+        ]
+        outcomes += [await session.call("read_file", {"path": "big.txt"}) for _ in range(5)]
+        outcomes.append(await session.call("write_file", {"path": "huge.txt", "content": "y" * 3_900_000}))
+        outcomes.append(await session.call("read_file", {"path": "big.txt", "limit": 2}))
+        return outcomes
+
+    *calls, huge, after = asyncio.run(work())
+    try:
+        assert all(isinstance(o, CallResult) and not o.is_error for o in calls), calls
+        assert isinstance(huge, CallResult) and huge.is_error, huge
+        assert "over the 262,144 one call may carry" in huge.text, huge.text
+        assert isinstance(after, CallResult) and not after.is_error, after
+        assert session.info()["status"] == "running"
+    finally:
+        agent.close()
+    assert session.result is not None and session.result.state.usage.total_tokens == 0
+
+
+@tool
+def flaky(ctx: ToolContext, fail: bool) -> str:
+    """A tool whose own failure is asked for.
+
+    Args:
+        fail: whether it fails.
+    """
+    if fail:
+        raise RuntimeError("the tool's service is down")
+    return "ok"
+
+
+def test_a_sessions_errors_open_no_breaker_of_another_session(tmp_path: Path) -> None:
+    """Found from outside: the tools' breakers were the server's, and a missing file counted
+    as read_file failing. One session reading five missing files opened ``tool:read_file`` for
+    every session (``CircuitOpen``, retry in 30 s), and five such refusals ended another's
+    run "broken". Now a caller's error opens no breaker, and a session's tool failing opens
+    that tool's breaker for that session alone."""
+    agent = McpAgent(
+        AgentConfig(
+            model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(), tier="process"),
+            audit=AuditLog(MemoryStore(), flush_interval_s=None), approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"), max_consecutive_failures=None,
+            tools=default_toolset().including(flaky),
+        )
+    )  # fmt: skip
+    prober, victim = agent.session("prober", client="test"), agent.session("victim", client="test")
+
+    async def work() -> tuple[list[Outcome], list[Outcome], list[Outcome], list[Outcome]]:
+        await victim.call("write_file", {"path": "notes.txt", "content": "mine"})
+        missing = [await prober.call("read_file", {"path": f"missing-{n}.txt"}) for n in range(7)]
+        failing = [await prober.call("flaky", {"fail": True}) for _ in range(6)]
+        read = [await victim.call("read_file", {"path": "notes.txt"}) for _ in range(6)]
+        return missing, failing, read, [await victim.call("flaky", {"fail": False})]
+
+    missing, failing, read, [served] = asyncio.run(work())
+    try:
+        assert all(isinstance(o, CallResult) and "CircuitOpen" not in o.text for o in missing), missing
+        assert all(isinstance(o, CallResult) and "no such file" in o.text for o in missing), missing
+        # five failures of the tool itself open its breaker, for the session they happened in
+        assert isinstance(failing[-1], CallResult) and "CircuitOpen" in failing[-1].text, failing[-1]
+        assert all(isinstance(o, CallResult) and "mine" in o.text for o in read), read
+        assert isinstance(served, CallResult) and not served.is_error and "ok" in served.text, served
+        assert victim.info()["status"] == "running"
+    finally:
+        agent.close()
+
+
+def test_every_decision_made_through_mcp_reaches_the_trail(agent: McpAgent) -> None:
+    """Found from outside: 21 elicitations answered, 21 decisions in the approval book, 1 in
+    the audit trail: a decision was recorded only when the run asked for its request again,
+    and a run that never did (it ended first, or the request was one it had stopped waiting
+    for) left it out. Each decision is recorded as it is made, once, and the chain verifies."""
+    session = agent.session("one", client="test")
+
+    async def work() -> list[object]:
+        outcomes: list[object] = []
+        for n, choice in enumerate((Choice.APPROVED, Choice.DENIED)):
+            paused = await session.call("run_code", {"code": f"rm -r build{n}", "language": "bash"})
+            assert isinstance(paused, Paused)
+            session.decide(paused.approvals[0], choice, by="test")
+            outcomes.append(await session.resume())  # the run asks again: recorded no second time
+        last = await session.call("run_code", {"code": "rm -r left", "language": "bash"})
+        assert isinstance(last, Paused)
+        session.decide(last.approvals[0], Choice.APPROVED, by="test")
+        await session.aclose()  # the client left before the run asked again
+        return outcomes
+
+    approved, denied = asyncio.run(work())
+    agent.close()
+    assert isinstance(approved, CallResult) and not approved.is_error, approved
+    assert isinstance(denied, CallResult) and denied.is_error, denied
+    store = agent.agent.audit_log.store
+    approvals = [e for e in store.events(run_id=session.run_id) if e.kind.value == "approval"]
+    decided = [(e.attributes["outcome"], e.actor) for e in approvals if e.attributes["outcome"] != "pending"]
+    assert decided == [("approved", "human:test"), ("denied", "human:test"), ("approved", "human:test")]
+    assert len([e for e in approvals if e.attributes["outcome"] == "pending"]) == 3
+    report = verify(store, run_id=session.run_id)
+    assert report.ok and report.found, report.problems
