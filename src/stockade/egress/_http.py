@@ -291,10 +291,11 @@ class Exchange:
         which then owns the connection."""
         h11 = load_h11()
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
+        feed = Feed(conn, client, request_trailer_over)
         while True:
             line = bytearray(conn.trailing_data[0][:LINE_LIMIT])  # the next request's, if here
             try:
-                event = await within(next_request(conn, client, line, self.gate), self.head_timeout_s)
+                event = await within(next_request(feed, line, self.gate), self.head_timeout_s)
             except Refused as over:  # past the rate: answered, and closed unread
                 await self.unreadable(conn, client, over, bytes(line), tunnel=tunnel)
                 return
@@ -324,9 +325,11 @@ class Exchange:
                 # ended, the sandbox reset for its next user): what is buffered goes nowhere.
                 return
             if on_connect is not None and event.method == b"CONNECT":
+                feed.give_back()  # the tunnel's first bytes, where the tunnel looks for them
                 await on_connect(conn, event)
                 return
-            if not await self.forward(conn, client, event, tunnel=tunnel):
+            feed.sized(event.headers)
+            if not await self.forward(feed, event, tunnel=tunnel):
                 return
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
@@ -357,19 +360,19 @@ class Exchange:
                 await refuse(conn, client, refused, redact=self.gate.redact)
             entry.tell(entry.decided)
 
-    async def forward(
-        self, conn: Any, client: Stream, request: Any, *, tunnel: tuple[str, int, str] | None
-    ) -> bool:
-        """Forward one request and its response; False when the connection must close."""
+    async def forward(self, feed: Feed, request: Any, *, tunnel: tuple[str, int, str] | None) -> bool:
+        """Forward one request (read from ``feed``) and its response; False when the
+        connection must close."""
         method = request.method.decode("ascii", "replace").upper()
         target = request.target.decode("ascii", "replace")
         host, port, path = target_parts(target, tunnel)
         with Entry(self.gate, EgressRecord(host=host, port=port, method=method, path=short(path))) as entry:
-            return await self._forward(conn, client, request, entry, tunnel=tunnel)
+            return await self._forward(feed, request, entry, tunnel=tunnel)
 
     async def _forward(
-        self, conn: Any, client: Stream, request: Any, entry: Entry, *, tunnel: tuple[str, int, str] | None
+        self, feed: Feed, request: Any, entry: Entry, *, tunnel: tuple[str, int, str] | None
     ) -> bool:
+        conn, client = feed.conn, feed.stream
         gate = self.gate
         method, host, port = entry.record.method, entry.record.host, entry.record.port
         path = target_parts(request.target.decode("ascii", "replace"), tunnel)[2]
@@ -384,7 +387,7 @@ class Exchange:
             address = tunnel[2] if tunnel is not None else await gate.address(host, port)
         except Refused as refused:
             entry.decided = denied(entry.record, refused)
-            await drain_body(conn, client)
+            await drain_body(feed)
             await refuse(conn, client, refused, redact=gate.redact)
             entry.tell(entry.decided)
             return refused.status != 400
@@ -395,7 +398,7 @@ class Exchange:
         progress = entry.progress = Progress(credential.name if credential is not None else "")
         aim = Target(host=host, port=port, address=address, scheme=scheme, path=path)
         try:
-            status, keep = await self._exchange(conn, client, request, aim, credential, progress=progress)
+            status, keep = await self._exchange(feed, request, aim, credential, progress=progress)
         except Refused as refused:  # a redirect refused, an encoding not undone, a limit mid-way
             entry.decided = cut_short(record, progress, refused)
             with contextlib.suppress(Exception):
@@ -431,8 +434,7 @@ class Exchange:
 
     async def _exchange(
         self,
-        conn: Any,
-        client: Stream,
+        feed: Feed,
         request: Any,
         target: Target,
         credential: Credential | None,
@@ -466,8 +468,8 @@ class Exchange:
                 up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
             try:
                 try:
-                    response = await self._send_request(
-                        conn, client, request, target, credential, progress=progress, upstream=upstream, up=up
+                    response, rest = await self._send_request(
+                        feed, request, target, credential, progress=progress, upstream=upstream, up=up
                     )
                 except (OSError, h11.RemoteProtocolError) as err:
                     if reused and not isinstance(err, TimeoutError):
@@ -475,12 +477,17 @@ class Exchange:
                     raise
                 if reused and response.status_code == 408:
                     continue  # the server's "you were idle too long", sent before it closed
+                answer = Feed(up, upstream, answer_trailer_over, held=rest)
+                answer.sized(response.headers)
                 status = await self._send_response(
-                    conn, client, response, target, credential, progress=progress, upstream=upstream, up=up
+                    feed, response, target, credential, progress=progress, answer=answer
                 )
                 # Bytes the server sent past its answer would be read as the next one's
                 # head, uncounted (``answer_head``): such a connection is not kept.
-                keep = up.our_state is h11.DONE and up.their_state is h11.DONE and not up.trailing_data[0]
+                keep = (
+                    up.our_state is h11.DONE and up.their_state is h11.DONE
+                    and not up.trailing_data[0] and not answer.held
+                )  # fmt: skip
                 ended = True
                 return status, True
             finally:
@@ -501,8 +508,7 @@ class Exchange:
 
     async def _send_request(
         self,
-        conn: Any,
-        client: Stream,
+        feed: Feed,
         request: Any,
         target: Target,
         credential: Credential | None,
@@ -510,9 +516,11 @@ class Exchange:
         progress: Progress,
         upstream: Plain,
         up: Any,
-    ) -> Any:
-        """The request (head and body) to the server, and the head of its answer."""
+    ) -> tuple[Any, bytes]:
+        """The request (head and body, read from ``feed``) to the server, and the head of
+        its answer with the bytes that came after it, not given to h11 yet."""
         h11 = load_h11()
+        conn, client = feed.conn, feed.stream
         headers = forwarded_headers(request.headers, target.host, target.port, target.scheme)
         secret, secrets = self.gate.secrets_for(credential)
         if credential is not None and secret:
@@ -530,7 +538,7 @@ class Exchange:
                 await client.send(
                     conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
                 )
-            await self._relay_body(conn, client, up, upstream, head=head, count=progress.went)
+            await self._relay_body(feed, up, upstream, head=head, count=progress.went)
         else:  # read already (no body; or sent once, on a kept connection the server then closed)
             await upstream.send(head + up.send(h11.EndOfMessage()))
             progress.went(0)
@@ -540,7 +548,7 @@ class Exchange:
         except TimeoutError:
             raise TimeoutError(f"no answer in {self.answer_timeout_s:g} s") from None
 
-    async def _final_head(self, up: Any, upstream: Plain) -> Any:
+    async def _final_head(self, up: Any, upstream: Plain) -> tuple[Any, bytes]:
         """The head of the server's final answer, after the 1xx ones (``100 Continue`` and
         the like, not passed on), each counted before h11 parses it (``answer_head``) and
         bounded together (``INFORMATIONAL_LIMIT``); a 1xx one counts against the bytes per
@@ -552,9 +560,7 @@ class Exchange:
         for _ in range(INFORMATIONAL_LIMIT + 1):
             response, rest, counted = await answer_head(up, upstream, rest)
             if isinstance(response, h11.Response):
-                if rest:  # the body's first bytes (never b"": to h11 that is the end)
-                    up.receive_data(rest)
-                return response
+                return response, rest  # the body's first bytes, for h11 in pieces (``Feed``)
             self.gate.spend(counted.size)
             early.lines += counted.lines
             early.size += counted.size
@@ -571,18 +577,18 @@ class Exchange:
 
     async def _send_response(
         self,
-        conn: Any,
-        client: Stream,
+        feed: Feed,
         response: Any,
         target: Target,
         credential: Credential | None,
         *,
         progress: Progress,
-        upstream: Plain,
-        up: Any,
+        answer: Feed,
     ) -> int:
-        """The answer, checked and scrubbed, to the client: its status."""
+        """The answer (its body read from ``answer``), checked and scrubbed, to the client
+        (``feed``'s side): its status."""
         h11 = load_h11()
+        conn, client = feed.conn, feed.stream
         progress.answer = response.status_code  # a refusal of it from here says what the server answered
         self.gate.spend(head_size(response))
         _, secrets = self.gate.secrets_for(credential)
@@ -599,7 +605,7 @@ class Exchange:
         else:
             out_headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
         head = conn.send(h11.Response(status_code=response.status_code, headers=out_headers, reason=reason))
-        await self._relay_body(up, upstream, conn, client, reply=reply, head=head, count=progress.came)
+        await self._relay_body(answer, conn, client, reply=reply, head=head, count=progress.came)
         return int(response.status_code)
 
     @staticmethod
@@ -621,8 +627,7 @@ class Exchange:
 
     async def _relay_body(
         self,
-        src: Any,
-        src_stream: Stream,
+        feed: Feed,
         dst: Any,
         dst_stream: Stream,
         *,
@@ -630,7 +635,7 @@ class Exchange:
         reply: Reply | None = None,
         head: bytes = b"",
     ) -> None:
-        """Carry one message body from one h11 connection to the other, after ``head`` (the
+        """Carry one message body from one h11 connection (``feed``'s) to the other, after ``head`` (the
         message's head, already framed for ``dst``), telling ``count`` after each write to
         ``dst`` the body bytes (as read from ``src``) it carried: what went is known at
         every point the relay may end, not only when it returns.
@@ -642,8 +647,11 @@ class Exchange:
         for its body, when a server writes them apart, was measured and gained nothing).
         The pieces are kept in lists and joined once per write, never added one to another
         (a body in 1-byte chunks made that quadratic, and stalled every sandbox's proxy on
-        the shared loop); and every ``EVENTS_PER_TURN`` pieces the loop serves the others."""
+        the shared loop); and every ``EVENTS_PER_TURN`` pieces the loop serves the others.
+        h11 gets what came in pieces of bounded lines (``Feed``): the next one with no
+        write in between, while what came is not all given."""
         h11 = load_h11()
+        src = feed.conn
         out: list[bytes] = [head] if head else []  # framed for dst, not yet sent
         body: list[bytes] = []  # read from src, not yet framed (one h11 Data for all of it)
         held = events = 0
@@ -657,6 +665,9 @@ class Exchange:
                 events += 1
                 if held < CHUNK and events < EVENTS_PER_TURN:
                     continue
+            elif event is h11.NEED_DATA and feed.held:  # what came is not all h11's yet
+                await feed.more()
+                continue
             elif event is not h11.NEED_DATA and not isinstance(event, h11.EndOfMessage):
                 # the connection closed (h11 ``ConnectionClosed``, or ``PAUSED`` past its end)
                 raise ConnectionError("the connection closed mid-message")
@@ -683,7 +694,7 @@ class Exchange:
                 count(framed)
                 framed = 0
             if event is h11.NEED_DATA:
-                src.receive_data(await src_stream.recv())
+                await feed.more()
             elif events >= EVENTS_PER_TURN:  # one read of tiny chunks is many events: let others run
                 events = 0
                 await asyncio.sleep(0)
@@ -720,42 +731,131 @@ class HeadLines:
         return taken
 
 
-async def next_request(conn: Any, stream: Stream, line: bytearray, gate: Gate) -> Any:
+@functools.cache
+def _lines(count: int) -> re.Pattern[bytes]:
+    return re.compile(rb"(?:[^\n]*\n){%d}" % count)
+
+
+def lines_end(data: bytes, count: int) -> int:
+    """Where ``data``'s first ``count`` lines end (all of it, if it has fewer line ends)."""
+    found = _lines(count).match(data)
+    return found.end() if found is not None else len(data)
+
+
+class Feed:
+    """What one side of a connection sent that its h11 connection has not been given yet,
+    given to h11 at most ``HEAD_LINES`` line ends at a time, once it asks for more.
+
+    h11 parses a trailer (the header lines after a chunked body's last chunk) in one go
+    when its blank line comes, however many lines it has (within ``HEAD_LIMIT``): 12,000
+    ``a:b`` lines held the loop every sandbox shares ~20 ms a message. Given in pieces,
+    h11 holds no more than ``HEAD_LINES`` line ends unparsed when it asks for more, or
+    the message is refused (``over``); a body's bytes it turns into events as they come,
+    and holds none of them. A body of a known length (``sized``) has no lines to parse:
+    it is given as it comes, up to its end (cut in lines, a body of short text lines went
+    through at a third of its speed). Heads are given whole, once counted
+    (``next_request``, ``answer_head``): a feed carries the bytes after them."""
+
+    def __init__(self, conn: Any, stream: Stream, over: Callable[[], Refused], held: bytes = b"") -> None:
+        self.conn = conn
+        self.stream = stream
+        self.over = over  # the refusal of a message whose trailer is too long
+        self.held = held
+        self.length: int | None = None  # what is left of a body of a known length
+
+    def sized(self, headers: Any) -> None:
+        """The next body is the length ``headers`` say (h11 checked them), if they say one."""
+        length = 0
+        for key, value in headers:
+            if key.lower() == b"transfer-encoding":
+                length = 0  # chunked: its framing and trailer are lines
+                break
+            if key.lower() == b"content-length":
+                length = int(bytes(value))
+        self.length = length or None
+
+    def take(self) -> bytes:
+        data, self.held = self.held, b""
+        return data
+
+    async def recv(self) -> bytes:
+        """What is held, else the next read (``b""``: the other side's end)."""
+        return self.take() or await self.stream.recv()
+
+    async def more(self) -> None:
+        """h11 asked for more: the next piece (no read, while something is held)."""
+        unread = 0
+        if self.length is None:
+            unread = self.conn.trailing_data[0].count(b"\n")
+            if unread >= HEAD_LINES:  # it waits for the end of as many lines: a trailer too long
+                raise self.over()
+        data = await self.recv()
+        if not data:
+            self.conn.receive_data(b"")  # the end: h11 tells whether a message was cut by it
+            return
+        if self.length is not None:  # bytes past the body stay here: the next head, to count
+            cut = min(len(data), self.length)
+            self.length = (self.length - cut) or None
+        else:
+            cut = lines_end(data, HEAD_LINES - unread)
+        self.held = data[cut:]
+        self.conn.receive_data(data[:cut])
+
+    def give_back(self) -> None:
+        """What is held to h11 itself (a tunnel's first bytes, which it does not parse)."""
+        if self.held:
+            self.conn.receive_data(self.take())
+
+
+def request_trailer_over() -> Refused:
+    return Refused(431, Verdict(
+        allowed=False, rule="request (size)", reason=f"a request trailer of more than {HEAD_LINES} lines",
+    ))  # fmt: skip
+
+
+def answer_trailer_over() -> Refused:
+    return Refused(502, Verdict(
+        allowed=False, rule="reply (size)", reason=f"an answer trailer of more than {HEAD_LINES} lines",
+    ))  # fmt: skip
+
+
+async def next_request(feed: Feed, line: bytearray, gate: Gate) -> Any:
     """``next_event`` for a request's head, keeping what came of it in ``line`` until its
     first line end (at most ``LINE_LIMIT``): what a refusal of an unreadable head can name.
 
     The request is counted once its first bytes came (``Gate.admit``: ``Refused``, ``429``,
     past the sandbox's rate, before h11 parses any of it), its head's bytes as they come
     (``max_bytes_per_minute``), and its lines before h11 parses them: past ``HEAD_LINES``
-    h11 never sees it (a ``RemoteProtocolError``, ``431``)."""
+    h11 never sees it (a ``RemoteProtocolError``, ``431``). h11 is given the head only;
+    what came after it (its body, its trailer) stays in ``feed`` for h11 to get in pieces."""
     h11 = load_h11()
+    conn = feed.conn
     head = HeadLines()
-    data = conn.trailing_data[0]  # the next request, pipelined behind the last one
-    if not data:
-        data = await stream.recv()
-        if not data:
-            return h11.ConnectionClosed()
-        if len(line) < LINE_LIMIT and b"\n" not in line:
-            line += data[: LINE_LIMIT - len(line)]
-        fresh = True
-    else:
-        fresh = False
-    gate.admit()
-    gate.bytes.add(head.feed(data))
-    if head.lines > HEAD_LINES:
-        raise h11.RemoteProtocolError("too many lines in the request head", error_status_hint=431)
-    if fresh:
-        conn.receive_data(data)
+    data = conn.trailing_data[0]  # h11 has it already: the end of the last piece it was given
+    given = bool(data)
+    admitted = False
     while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.recv()
+        if not given:
+            data = await feed.recv()
+            if not data and not admitted:
+                return h11.ConnectionClosed()
             if len(line) < LINE_LIMIT and b"\n" not in line:
                 line += data[: LINE_LIMIT - len(line)]
-            gate.bytes.add(head.feed(data))
-            if head.lines > HEAD_LINES:
-                raise h11.RemoteProtocolError("too many lines in the request head", error_status_hint=431)
-            conn.receive_data(data)
+        if not admitted:
+            gate.admit()
+            admitted = True
+        taken = head.feed(data)
+        gate.bytes.add(taken)
+        if head.lines > HEAD_LINES:
+            raise h11.RemoteProtocolError("too many lines in the request head", error_status_hint=431)
+        if not given:
+            if head.ended and not head.size:  # a head that begins blank: h11 refuses it at once
+                taken = len(data)
+            feed.held = data[taken:]
+            conn.receive_data(data[:taken])
+        given = False
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
             continue
         if event is h11.PAUSED:
             return h11.ConnectionClosed()
@@ -811,16 +911,23 @@ async def answer_head(up: Any, stream: Stream, rest: bytes) -> tuple[Any, bytes,
     return event, data, head
 
 
-async def drain_body(conn: Any, client: Stream) -> None:
+async def drain_body(feed: Feed) -> None:
     """Read what is left of a refused request's body (bounded), so the reply can be read;
-    none if the client waits for a ``100 Continue`` before it sends one (it gets the refusal)."""
+    none if the client waits for a ``100 Continue`` before it sends one (it gets the refusal).
+    A trailer too long ends it: the connection closes after the refusal."""
     h11 = load_h11()
+    conn = feed.conn
     if conn.their_state is not h11.SEND_BODY or conn.they_are_waiting_for_100_continue:
         return
     budget = 1024 * 1024
     while budget > 0:
-        event = await within(next_event(conn, client), HEAD_TIMEOUT_S)
-        if isinstance(event, h11.Data):
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                await within(feed.more(), HEAD_TIMEOUT_S)
+            except Refused:
+                return
+        elif isinstance(event, h11.Data):
             budget -= len(event.data)
         else:
             return

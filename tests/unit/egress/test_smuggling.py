@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
@@ -734,3 +735,131 @@ def _tiny_chunks(server: RawServer) -> None:
     got, chunks = _dechunked(wire.split(b"\r\n\r\n", 1)[1])
     assert _status(answer) == 200 and got == sent and chunks <= len(sent) // 1024 + 4
     assert [(r.status, r.bytes_out) for r in records] == [(200, len(sent))]
+
+
+# A chunked body's trailer: header lines after its last chunk, which h11 parses in one go
+# once their blank line comes. 12,000 ``a:b`` lines (60 KB, within the head's 64 KiB) held
+# the loop every sandbox shares ~20 ms a message: h11 gets what came a bounded number of
+# lines at a time, and a trailer past HEAD_LINES is refused like a head of as many lines.
+LONG_TRAILER = b"a:b\r\n" * 12_000
+
+
+class CountedByRole(load_h11().Connection):  # type: ignore[misc]
+    """Any h11 connection (the proxy's side of a client's or of a server's), counting the
+    line ends each role's connections were given to parse."""
+
+    lines: ClassVar[dict[Any, int]] = {}
+
+    def receive_data(self, data: bytes) -> None:
+        CountedByRole.lines[self.our_role] = CountedByRole.lines.get(self.our_role, 0) + bytes(data).count(
+            b"\n"
+        )
+        super().receive_data(data)
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> dict[Any, int]:
+    """The lines h11 was given, by its role: ``SERVER`` reads requests, ``CLIENT`` answers."""
+    CountedByRole.lines = {}
+    monkeypatch.setattr(load_h11(), "Connection", CountedByRole)
+    return CountedByRole.lines
+
+
+def _chunked_post(trailer: bytes, body: bytes = b"5\r\nhello\r\n") -> bytes:
+    head = b"POST http://raw.test:0/ HTTP/1.1\r\nHost: raw.test\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + body + b"0\r\n" + trailer + b"\r\n"
+
+
+def _served(server: RawServer, request: bytes) -> tuple[bytes, list[EgressRecord]]:
+    """``request`` (its port 0 made the server's), there whole at the proxy's first read."""
+    records: list[EgressRecord] = []
+    proxy = EgressProxy(_policy(server), observer=records.append)
+    request = request.replace(b"raw.test:0/", b"raw.test:%d/" % server.port)
+
+    async def serve() -> socket.socket:
+        client, peer = await _arrived(request, end=True)
+        await proxy.exchange.serve(client, tunnel=None)
+        client.close()
+        return peer
+
+    try:
+        answer = _received(_loop.call(serve()))
+    finally:
+        _loop.call(proxy.close())
+    return answer, records
+
+
+def test_a_request_trailer_of_too_many_lines_is_a_431_h11_parses_a_few_lines_of(
+    server: RawServer, counted: dict[Any, int]
+) -> None:
+    """Head, body and trailer in the proxy's first read: h11 is given the head, then the
+    rest a few lines at a time; a trailer past HEAD_LINES lines is a 431, before any byte
+    of the request went to the server (its connection was opened, and is cut)."""
+    answer, records = _served(server, _chunked_post(LONG_TRAILER))
+    assert _statuses(answer) == [431] and b"a request trailer of more than 256 lines" in answer
+    assert [(r.status, r.decision, r.rule, r.bytes_out) for r in records] == [
+        (431, "deny", "request (size)", 0)
+    ]
+    assert b"".join(server.got) == b""
+    assert counted[load_h11().SERVER] <= 2 * HEAD_LINES
+
+
+def test_a_request_trailer_of_too_many_lines_inside_an_opened_tunnel(
+    tmp_path: Path, counted: dict[Any, int]
+) -> None:
+    """The same inside a tunnel whose TLS the proxy opened, to a host it adds a credential for."""
+    answer, records, paths = _credentialed_tunnel(
+        tmp_path,
+        b"POST /auth HTTP/1.1\r\nHost: TARGET\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+        + LONG_TRAILER
+        + b"\r\n",
+    )
+    assert paths == [] and _statuses(answer) == [431] and b"rule: request (size)" in answer
+    assert [(r.status, r.decision, r.rule, r.credential) for r in records] == [
+        (431, "deny", "request (size)", "")
+    ]
+    assert counted[load_h11().SERVER] <= 2 * HEAD_LINES
+
+
+def test_an_answer_trailer_of_too_many_lines_is_cut_h11_parses_a_few_lines_of(server: RawServer) -> None:
+    """The same for a server's chunked answer: cut, and its trailer's lines never parsed."""
+    answer, records, parsed = _answered_by(
+        server,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n" + LONG_TRAILER + b"\r\n",
+    )
+    assert b"a:b" not in answer
+    assert [(r.status, r.decision, r.rule, r.reason) for r in records] == [
+        (
+            502,
+            "allow",
+            "reply (size)",
+            "the server answered 200, then an answer trailer of more than 256 lines",
+        )
+    ]
+    assert parsed <= 2 * HEAD_LINES
+
+
+SMALL_TRAILER = b"X-Checksum: 1234\r\nX-Count: 2\r\n"
+LINES_OF_BODY = b"a\n" * 20_000  # a body's own line ends are bytes to relay, not lines to parse
+
+
+def test_a_chunked_request_with_a_small_trailer_and_a_body_of_many_lines_passes(
+    counted: dict[Any, int],
+) -> None:
+    with contextlib.closing(RawServer(until=b"0\r\n\r\n")) as server:
+        body = b"%x\r\n%s\r\n" % (len(LINES_OF_BODY), LINES_OF_BODY)
+        answer, records = _served(server, _chunked_post(SMALL_TRAILER, body=body))
+        (wire,) = server.got
+    assert _status(answer) == 200
+    assert _dechunked(wire.split(b"\r\n\r\n", 1)[1])[0] == LINES_OF_BODY
+    assert [(r.status, r.bytes_out) for r in records] == [(200, len(LINES_OF_BODY))]
+
+
+def test_a_chunked_answer_with_a_small_trailer_and_a_body_of_many_lines_passes(server: RawServer) -> None:
+    chunked = b"%x\r\n%s\r\n0\r\n%s\r\n" % (len(LINES_OF_BODY), LINES_OF_BODY, SMALL_TRAILER)
+    answer, records, _ = _answered_by(
+        server, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+    )
+    assert _statuses(answer) == [200]
+    assert _dechunked(answer.split(b"\r\n\r\n", 1)[1])[0] == LINES_OF_BODY
+    assert [(r.status, r.bytes_in) for r in records] == [(200, len(LINES_OF_BODY))]
