@@ -267,6 +267,54 @@ def test_a_dying_interpreter_is_reported_and_replaced(sbx: Sandbox) -> None:
     assert sbx.run_code("2 * 21").text == "42"
 
 
+# Code that raises an exception of the name the sandbox gives the interpreter's death, just
+# after a child of its own was killed by the memory limit (on gVisor and the microVM the child
+# gets a MemoryError instead: RLIMIT_AS).
+FAKE_DEATH = (
+    "import subprocess, sys\n"
+    "subprocess.run([sys.executable, '-c', 'bytearray(400 << 20)'])\n"
+    "class KernelDied(Exception):\n"
+    "    pass\n"
+    "raise KernelDied('the kernel died')\n"
+)
+
+
+def fake_death_reported_as_the_codes(ex: Execution) -> bool:
+    """The code's own exception, under its own name and words: never the sandbox's verdict
+    (MemoryLimitExceeded, "its state is lost"), which only the supervisor can give."""
+    error = ex.error
+    return (
+        error is not None
+        and (error.name, error.value) == ("KernelDied", "the kernel died")
+        and "KernelDied: the kernel died" in error.traceback
+        and not ex.timed_out
+    )
+
+
+def test_code_cannot_pass_its_own_exception_off_as_the_interpreters_death(sbx: Sandbox) -> None:
+    """Whether the interpreter died is the supervisor's word, not an exception's name: code's
+    ``KernelDied`` after a child's OOM kill was reported MemoryLimitExceeded, "the interpreter
+    was killed by the sandbox's memory limit; its state is lost", its state intact."""
+    sbx.run_code("state = 'kept'")
+    ex = sbx.run_code(FAKE_DEATH)
+    assert fake_death_reported_as_the_codes(ex), ex
+    assert sbx.run_code("state").text == "'kept'"
+    # The timeout is the report's timed_out, never an exception's words.
+    ex = sbx.run_code("raise TimeoutError('the code ran past its timeout')")
+    assert ex.error is not None and ex.error.name == "TimeoutError" and not ex.timed_out, ex
+
+
+def test_code_cannot_pass_its_own_exception_off_as_a_death_through_the_async_facade(tier: str) -> None:
+    async def main() -> None:
+        async with await AsyncSandbox.create(tier, limits=Limits(memory_mb=256)) as sbx:
+            await sbx.run_code("state = 'kept'")
+            ex = await sbx.run_code(FAKE_DEATH)
+            assert fake_death_reported_as_the_codes(ex), ex
+            assert (await sbx.run_code("state")).text == "'kept'"
+
+    asyncio.run(main())
+
+
 def test_bash_and_other_languages_run_as_fresh_processes(sbx: Sandbox) -> None:
     ex = sbx.run_code("echo $((6 * 7))", language="bash")
     assert ex.logs.stdout == "42\n" and ex.error is None

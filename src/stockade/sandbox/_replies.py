@@ -221,11 +221,15 @@ def execution(
         value, value_cut = _capped(str(raw_err.get("value", "")), MAX_TEXT)
         traceback, tb_cut = _capped(str(raw_err.get("traceback", "")), MAX_TEXT, end=True)
         cut = cut or name_cut or value_cut or tb_cut
+        # Whether the interpreter died is the supervisor's word, in the header it writes; the
+        # error's name is the code's exception's (``class KernelDied(Exception)`` raised after
+        # a child's OOM kill read as MemoryLimitExceeded, "its state is lost", state intact).
+        died = h.get("verdict") == "KernelDied"
         guest_oom = int_field(h.get("oom_kills")) > 0
-        if name == "KernelDied" and locks_killed:
+        if died and locks_killed:
             value = "the interpreter was killed for holding more file locks than a sandbox may (4,096)"
             name = "FileLockLimitExceeded"
-        elif name == "KernelDied" and (guest_oom or oom_since(True)):
+        elif died and (guest_oom or oom_since(True)):
             value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
             name = "MemoryLimitExceeded"
         error = ExecutionError(name=name, value=value, traceback=traceback)

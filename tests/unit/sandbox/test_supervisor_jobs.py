@@ -39,6 +39,10 @@ class _Supervisor:
     def finish_code(self, job: Any, payload: bytes) -> None:
         self.answers.append((job.rid, json.loads(payload)))
 
+    def answer_code(self, job: Any, name: str, value: str) -> None:
+        """The supervisor's own verdict, which the host tells from a payload by its mark."""
+        self.answers.append((job.rid, {"verdict": name, "value": value}))
+
 
 def test_a_job_stops_its_clock_for_approvals_as_long_as_its_request_says(modules: SimpleNamespace) -> None:
     sup = _Supervisor()
@@ -52,5 +56,5 @@ def test_a_queued_run_cancelled_by_the_host_is_answered_kernel_died(modules: Sim
     waiting = modules.jobs.Job(sup, 7, {})
     sup.interpreter = SimpleNamespace(queue=[(waiting, b"print(1)")], job=None)
     modules.runcode.cancel_code(sup, 7)
-    error = {"name": "KernelDied", "value": "cancelled by the host", "traceback": ""}
-    assert sup.answers == [(7, {"results": [], "error": error})] and sup.interpreter.queue == []
+    verdict = {"verdict": "KernelDied", "value": "cancelled by the host"}
+    assert sup.answers == [(7, verdict)] and sup.interpreter.queue == []

@@ -25,7 +25,6 @@ from protocol import (
     MAX_CODE_REPORT,
     FrameError,
     FrameReader,
-    dumps,
     encode,
 )
 from reaper import forked, kill_group, kill_tree, spawn_shim
@@ -162,8 +161,7 @@ def requeue(sup: "Supervisor", behind: "list[tuple[Job, bytes]]") -> None:
 
 def _died(sup: "Supervisor", job: Job, why: str) -> None:
     """Answer a run that no interpreter runs: ``KernelDied``, saying ``why``."""
-    error = {"name": "KernelDied", "value": why, "traceback": ""}
-    sup.finish_code(job, dumps({"results": [], "error": error}).encode())
+    sup.answer_code(job, "KernelDied", why)
 
 
 class Interpreter:
@@ -280,8 +278,9 @@ class Interpreter:
             if len(payload) > job.report_cap:
                 # Not the interpreter's (it keeps to the cap): code wrote it to the pipe.
                 note = f"the report was {len(payload)} bytes, over the sandbox's output_bytes"
-                payload = dumps({"results": [], "error": {"name": "ReportTooLarge", "value": note}}).encode()
-            sup.finish_code(job, payload)
+                sup.answer_code(job, "ReportTooLarge", note)
+            else:
+                sup.finish_code(job, payload)
         self.next_run()
 
     def drain(self, job: "Job") -> None:

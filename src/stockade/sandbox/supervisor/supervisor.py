@@ -561,11 +561,23 @@ class Supervisor:
 
     # -- the interpreter -----------------------------------------------------------------
 
-    def finish_code(self, job: Job, payload: bytes) -> None:
-        """Report a run; ``payload`` is the interpreter's JSON (results, error), passed on as is."""
+    def finish_code(self, job: Job, payload: bytes, verdict: Optional[str] = None) -> None:
+        """Report a run; ``payload`` is the interpreter's JSON (results, error), passed on as
+        is, or ours with the ``verdict`` it names (``answer_code``)."""
         if self.rules is not None:
             self.rules.expire(job)
-        self.send({**job.report(), "ev": "result"}, payload)
+        header = {**job.report(), "ev": "result"}
+        if verdict is not None:
+            header["verdict"] = verdict
+        self.send(header, payload)
+
+    def answer_code(self, job: Job, name: str, value: str) -> None:
+        """Report a run with an error of ours (the interpreter died, was killed at the run's
+        timeout, or never ran it), marked ``verdict`` in the frame's header: the payload's
+        error name is whatever the code's exception was called (``class KernelDied``), the
+        header is ours alone, and the host believes only it."""
+        payload = dumps({"results": [], "error": {"name": name, "value": value, "traceback": ""}})
+        self.finish_code(job, payload.encode(), name)
 
     def drop_interpreter(self, reason: Optional[str]) -> None:
         interp = self.interpreter
@@ -582,9 +594,8 @@ class Supervisor:
             name = "TimeoutError" if job is not None and job.timed_out else "KernelDied"
         else:
             name, reason = "KernelDied", "reset"
-        payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
         if job is not None:
-            self.finish_code(job, payload)
+            self.answer_code(job, name, reason)
         if restarted and job is not None:
             # The run that timed out, was cancelled or whose interpreter died takes the blame;
             # those queued behind it never ran and go on in a new interpreter (they failed
@@ -593,7 +604,7 @@ class Supervisor:
             runcode.requeue(self, interp.queue)
             return
         for waiting, _ in interp.queue:
-            self.finish_code(waiting, payload)
+            self.answer_code(waiting, name, reason)
 
     def oom_kills(self) -> int:
         """Processes the sandbox's own kernel has killed for memory, if we report them."""
