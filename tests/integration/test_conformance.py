@@ -315,6 +315,22 @@ def test_code_cannot_pass_its_own_exception_off_as_a_death_through_the_async_fac
     asyncio.run(main())
 
 
+def test_an_interpreter_stopped_by_code_fails_only_the_run_it_does_not_read(sbx: Sandbox) -> None:
+    """Code can stop the interpreter (SIGSTOP from a command, the same uid). A request larger
+    than its channel holds then waited in a blocking write of the supervisor's, and every call
+    of the sandbox with it, until the host gave the sandbox up (12.3 s for a run of
+    ``timeout_s=5``, closed as "stopped answering"). The request now waits for room while the
+    supervisor goes on; one not taken for a few seconds fails as what it is, its code never run."""
+    interp = sbx.run_code("import os; os.getpid()").text
+    assert sbx.commands.run(f"kill -STOP {interp}").exit_code == 0
+    unread = sbx.run_code("# " + "x" * (8 << 20) + "\n6 * 7", timeout_s=10)
+    assert unread.error is not None and not unread.timed_out, unread
+    stopped = ("KernelDied", "the interpreter stopped reading its requests")
+    assert (unread.error.name, unread.error.value) == stopped
+    assert sbx.commands.run("echo alive").stdout == "alive\n"
+    assert sbx.run_code("6 * 7").text == "42"  # in a new interpreter
+
+
 def test_bash_and_other_languages_run_as_fresh_processes(sbx: Sandbox) -> None:
     ex = sbx.run_code("echo $((6 * 7))", language="bash")
     assert ex.logs.stdout == "42\n" and ex.error is None

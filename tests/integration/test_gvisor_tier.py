@@ -138,6 +138,48 @@ def test_code_writing_to_the_supervisors_descriptors_costs_the_host_nothing(dire
             sbx.commands.run("python3 forge.py", timeout_s=50)
 
 
+# A command that looks for the interpreter's request and reply channels (its fds 3 and 4)
+# where gVisor's /proc lets it open descriptors: the interpreter's own, and every one of the
+# supervisor's that is a socket or the same pipe. What it could open, it could read a
+# concurrent run's request from (its code, the sandbox's env) and answer in its place.
+REACH_THE_INTERPRETERS_CHANNELS = r"""
+import os, sys
+interp = sys.argv[1]
+channels = {os.readlink(f"/proc/{interp}/fd/{fd}") for fd in (3, 4)}
+print(*sorted(target.split(":")[0] for target in channels))
+paths = [f"/proc/{interp}/fd/{fd}" for fd in (3, 4)]
+for fd in os.listdir("/proc/1/fd"):
+    try:
+        target = os.readlink(f"/proc/1/fd/{fd}")
+    except OSError:
+        continue
+    if target in channels or target.startswith("socket:"):
+        paths.append(f"/proc/1/fd/{fd}")
+for path in paths:
+    for flags in (os.O_RDONLY, os.O_WRONLY):
+        try:
+            os.close(os.open(path, flags | os.O_NONBLOCK))
+            print("opened", path)
+        except OSError:
+            pass
+"""
+
+
+def test_commands_cannot_reach_the_interpreters_requests_and_replies() -> None:
+    """On gVisor code opens any descriptor of the supervisor's through /proc/1/fd/N, a
+    pipe's either end. The interpreter's requests and replies went through pipes: a command
+    read a concurrent run's code and answered it with a forged result in 0.01 s, the real
+    code never run (found from outside). They are unix socket pairs now, which no /proc
+    path opens (ENXIO)."""
+    require_tier("gvisor")
+    with Sandbox.create("gvisor", limits=Limits(memory_mb=256, timeout_s=30)) as sbx:
+        interp = sbx.run_code("import os; os.getpid()").text
+        sbx.files.write("reach.py", REACH_THE_INTERPRETERS_CHANNELS)
+        reach = sbx.commands.run(f"python3 reach.py {interp}")
+        assert reach.exit_code == 0 and reach.stdout == "socket socket\n", reach
+        assert sbx.run_code("6 * 7").text == "42"
+
+
 # Fill the three writable places (171 MiB of memory-backed files), then hold ``{mb}`` MiB
 # more in one process, touched page by page so that the host gives them.
 FILES_THEN_A_HOG = (

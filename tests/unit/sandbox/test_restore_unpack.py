@@ -4,6 +4,7 @@ leaves nothing of it; a file that does not fit is refused at its header, before 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import io
 import os
@@ -197,3 +198,18 @@ def test_a_restore_keeps_what_an_upload_of_the_same_tree_keeps(tmp_path: Path, r
     restore(dest, buf.getvalue(), unpack_filter(rules.hide, rules.read, {".git", *VCS_FOLDERS}))
     uploaded = {name for _, name, _ in upload_entries(source, rules.hide, rules.read)[0]}
     assert set(tree(dest)) == uploaded
+
+
+def test_no_proc_path_opens_the_channel_an_upload_streams_through(tmp_path: Path) -> None:
+    """On gVisor code opens any descriptor of the supervisor's through /proc/1/fd/N, a pipe's
+    either end: it could read an upload, add to it, or keep a reader of its own and leave the
+    supervisor's write blocked for good. The chunks go through a unix socket pair, which no
+    /proc path opens (ENXIO, as here)."""
+    area = fileops.Workspace(str(tmp_path))
+    tx = unpack.handle(area, {"stage": "open", "path": ""}, b"")["tx"]
+    try:
+        with pytest.raises(OSError) as refused:
+            os.close(os.open(f"/proc/self/fd/{unpack._transfers[tx].write_fd}", os.O_RDONLY | os.O_NONBLOCK))
+        assert refused.value.errno == errno.ENXIO
+    finally:
+        unpack.handle(area, {"stage": "abort", "tx": tx}, b"")

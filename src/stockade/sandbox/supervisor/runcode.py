@@ -1,5 +1,6 @@
 """``run_code`` on the supervisor's side: the interpreter process it keeps (a forked shim,
-three pipes) and the queue of runs waiting for it, one run at a time.
+two pipes for its output, two socket pairs for its requests and replies) and the queue of
+runs waiting for it, one run at a time.
 
 Apart from the supervisor, which serves the host, runs commands and owns the event loop,
 because this is the only state that lives across runs (and the only part a reset or a
@@ -10,14 +11,15 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 
 from __future__ import annotations
 
+import _socket
 import errno
 import os
 import select
 import sys
 import time
 from select import EPOLLIN as EVENT_READ
+from select import EPOLLOUT as EVENT_WRITE
 
-from fileops import _write_all
 from jobs import Job, Outputs, starts_code
 from protocol import (
     CODE_REPORT_MARKS,
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
 
 CHUNK = 1 << 16
 START_S = 10.0  # how long the zygote may take to fork an interpreter (it may still be loading site)
+# How long an interpreter that said hello may take no byte of a request it was sent: between
+# runs it waits in a read of its requests, so it is stopped (SIGSTOP by code) or wedged.
+STALL_S = 3.0
+STOPPED_READING = "the interpreter stopped reading its requests"
 
 
 _environ_of: "Optional[dict[str, str]]" = None
@@ -165,29 +171,40 @@ def _died(sup: "Supervisor", job: Job, why: str) -> None:
 
 
 class Interpreter:
-    """The interpreter process and its pipes; one run at a time."""
+    """The interpreter process and its channels; one run at a time."""
 
     def __init__(self, sup: "Supervisor") -> None:
         self.sup = sup
+        # Its output: pipes, as a command's (code opens /dev/stdout, which a socket refuses).
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        in_r, in_w = os.pipe()
-        res_r, res_w = os.pipe()
+        # Its requests and replies: socket pairs, not pipes. On gVisor code can open every
+        # descriptor of ours through /proc/1/fd/N, a pipe's either end: a command read a
+        # concurrent run's request (its code, the sandbox's env) and answered it in the
+        # interpreter's place. A socket there cannot be opened (ENXIO), on any kernel.
+        ctl, in_r = _pair()
+        res_r, res_w = _pair()
         try:
             # "shim" as a command's: the pid we kill and find the run's processes by (the
             # interpreter itself, when the zygote forked it); "adopter": see _start.
             self.shim, self.adopter, self.env = _start(sup, (out_w, err_w, in_r, res_w))
         except OSError:
-            for fd in (out_r, out_w, err_r, err_w, in_r, in_w, res_r, res_w):
+            for fd in (out_r, out_w, err_r, err_w, ctl, in_r, res_r, res_w):
                 os.close(fd)
             raise
         for fd in (out_w, err_w, in_r, res_w):
             os.close(fd)
-        self.ctl_w = in_w
+        self.ctl_w = ctl
         self.ctl_r = res_r
+        # What of the request sent last the interpreter has not taken yet, and by when it must
+        # take more: written as the socket takes it, the rest on EPOLLOUT, never blocking (a
+        # blocked write held the supervisor, every call with it, until the host killed it).
+        self.unsent = memoryview(b"")
+        self.stall_at = 0.0
+        self.waiting_room = False  # ctl_w registered for EPOLLOUT
         # Unbuffered (print()s are a write each): read in gathers, as a command's (jobs.py).
         self.out = Outputs(sup, ("interpreter", self))
-        # Code can write to the reply pipe too: a larger report is no interpreter's (dropped).
+        # Code can write to the reply channel too: a larger report is no interpreter's (dropped).
         self.reader = FrameReader(max_body=MAX_CODE_REPLY)
         self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
         self.job: Optional[Job] = None
@@ -199,6 +216,7 @@ class Interpreter:
         self.out.add(out_r, 1)
         self.out.add(err_r, 2)
         os.set_blocking(res_r, False)
+        os.set_blocking(ctl, False)
         sup.sel.register(res_r, EVENT_READ, ("interpreter", self))
 
     def wait_started(self, timeout: float) -> None:
@@ -234,20 +252,51 @@ class Interpreter:
         if self.env != self.sup.env:  # given after a resume, or after its zygote's fork
             header["env"] = self.sup.env
             self.env = self.sup.env
-        data = encode(header, body)
-        os.set_blocking(self.ctl_w, True)
-        try:
-            os.write(self.ctl_w, data) if len(data) < 65536 else _write_all(self.ctl_w, data)
-        except OSError:
-            self.sup.drop_interpreter("the interpreter process died")
+        self.unsent = memoryview(encode(header, body))
+        self.stall_at = job.started + (STALL_S if self.pid else START_S)
+        self.send()
+
+    def send(self) -> None:
+        """Write what the interpreter has not taken of the request, as much as its socket
+        takes now; the rest when it has room (EPOLLOUT). One that takes nothing by
+        ``stall_at`` (or the run's deadline) is dropped: ``stalled``."""
+        while self.unsent:
+            try:
+                sent = os.write(self.ctl_w, self.unsent)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.sup.drop_interpreter("the interpreter process died")
+                return
+            self.unsent = self.unsent[sent:]
+            self.stall_at = time.monotonic() + (STALL_S if self.pid else START_S)
+        if bool(self.unsent) != self.waiting_room:
+            self.waiting_room = bool(self.unsent)
+            if self.waiting_room:
+                self.sup.sel.register(self.ctl_w, EVENT_WRITE, ("interpreter", self))
+            else:
+                self.sup.sel.unregister(self.ctl_w)
+
+    def stalled(self, now: float) -> bool:
+        """Whether a request the interpreter was sent is still not all taken, by its time or
+        the run's deadline: its code never ran (the interpreter reads a request whole before
+        it runs it), so the run's answer is not a timeout but ``STOPPED_READING``."""
+        if not self.unsent or self.job is None:
+            return False
+        due = self.job.due()
+        return now >= self.stall_at or (due is not None and now >= due)
 
     def on_readable(self, fd: int) -> None:
-        """Output of the code on its stdout or stderr, or a frame on the reply pipe."""
+        """Output of the code on its stdout or stderr, a frame on the reply channel, or room
+        on the request channel for what is left of a request."""
         sup = self.sup
         if self is not sup.interpreter:
             return
+        if fd == self.ctl_w:
+            self.send()
+            return
         if fd in self.out.fds:
-            # The code closing its stdout or stderr is not a death: the ctl pipe says that.
+            # The code closing its stdout or stderr is not a death: the reply channel says that.
             self.out.gather(self.job)
             return
         try:
@@ -276,7 +325,7 @@ class Interpreter:
             # A run's processes end with it, like a command's: none outlives its timeout.
             kill_tree(self.adopter, include_root=False, spare=self.pid)
             if len(payload) > job.report_cap:
-                # Not the interpreter's (it keeps to the cap): code wrote it to the pipe.
+                # Not the interpreter's (it keeps to the cap): code wrote it to the channel.
                 note = f"the report was {len(payload)} bytes, over the sandbox's output_bytes"
                 sup.answer_code(job, "ReportTooLarge", note)
             else:
@@ -289,9 +338,18 @@ class Interpreter:
 
     def close(self, sup: "Supervisor") -> None:
         self.out.close()
+        if self.waiting_room:
+            sup.sel.unregister(self.ctl_w)
+            self.waiting_room = False
         sup.sel.unregister(self.ctl_r)
         os.close(self.ctl_r)
         os.close(self.ctl_w)
         kill_tree(self.shim, include_root=True)
         if self.adopter != self.shim:  # what its code left behind, now the zygote's
             kill_tree(self.adopter, include_root=False)
+
+
+def _pair() -> "tuple[int, int]":
+    """A connected pair of unix stream sockets, as two descriptors (close-on-exec, blocking)."""
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    return ours.detach(), theirs.detach()

@@ -337,6 +337,8 @@ class Supervisor:
         due = self.interpreter.job.due() if self.interpreter and self.interpreter.job else None
         if due:
             deadlines.append(due)
+        if self.interpreter is not None and self.interpreter.unsent:
+            deadlines.append(self.interpreter.stall_at)
         left = [max(0.0, d - now) for d in deadlines] + [w for w in waits if w is not None]
         return min(left) if left else None
 
@@ -553,6 +555,10 @@ class Supervisor:
         now = time.monotonic()
         jobs.check_deadlines(self, now)
         interp = self.interpreter
+        if interp and interp.stalled(now):
+            kill_group(interp.shim)
+            self.drop_interpreter(runcode.STOPPED_READING)
+            return
         due = interp.job.due() if interp and interp.job else None
         if interp and interp.job and due and now >= due:
             interp.job.timed_out = True

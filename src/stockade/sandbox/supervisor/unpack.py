@@ -2,10 +2,11 @@
 (``files.upload_dir``, a workspace seeded), an archive put, a snapshot's files restored.
 
 ``put_archive`` in stages: ``open`` a transfer (the destination folder, made when missing, a
-staging folder in it, and a thread that unpacks a pipe into it), ``append`` each chunk (a few
-MiB: the host never sends more in one frame), then ``commit`` (the host sent it all, and saw
-a snapshot's object hash to its name: the staged entries move into place) or ``abort``.
-Memory here stays one chunk and the pipe's buffer whatever the archive holds; a 1 GiB archive
+staging folder in it, and a thread that unpacks what a socket pair carries into it),
+``append`` each chunk (a few MiB: the host never sends more in one frame), then ``commit``
+(the host sent it all, and saw a snapshot's object hash to its name: the staged entries
+move into place) or ``abort``.
+Memory here stays one chunk and the socket's buffer whatever the archive holds; a 1 GiB archive
 sent as one frame killed a 128 MiB sandbox's supervisor, and a 560 MiB folder uploaded as one
 killed a 1 GiB sandbox.
 
@@ -29,6 +30,7 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 
 from __future__ import annotations
 
+import _socket
 import os
 import re
 import stat
@@ -194,7 +196,7 @@ def _destination(area: "Workspace", path: str) -> str:
 
 class Unpacking:
     """One archive being unpacked into ``staging`` (made in ``dest``) by a thread that reads
-    a pipe: ``append`` writes a chunk to it, ``commit`` waits for the end and moves the
+    a socket pair: ``append`` writes a chunk to it, ``commit`` waits for the end and moves the
     staged entries into ``dest``, ``abort`` stops and removes them."""
 
     def __init__(self, dest: str, name: str, made: "list[str]", keep: "Optional[Keep]" = None) -> None:
@@ -215,8 +217,11 @@ class Unpacking:
         st = os.statvfs(dest)
         self.room = st.f_bavail * st.f_frsize if st.f_blocks else None
         self.inodes = st.f_favail if st.f_files else None
-        read_fd, self.write_fd = os.pipe()
-        os.set_inheritable(self.write_fd, False)
+        # A socket pair, not a pipe: on gVisor code opens any pipe of ours through
+        # /proc/1/fd/N, and could read the upload, add to it, or hold a reader of its own
+        # and leave our write to it blocked for good; no /proc path opens a socket (ENXIO).
+        theirs, ours = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        read_fd, self.write_fd = theirs.detach(), ours.detach()
         self.thread = threading.Thread(target=self._unpack, args=(read_fd,), daemon=True)
         self.thread.start()
 
