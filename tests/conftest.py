@@ -437,6 +437,43 @@ def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: _RunLocks | N
             _run_locks.release()
 
 
+# Whether this worker has run a test of the microVM's unit (it is handed that unit first).
+_RAN_MICROVM_UNIT = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def _no_guest_outside_the_microvm_unit(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In a parallel run a microVM guest starts only on the worker of the microVM's unit (its
+    guests' deadlines are on an emulated clock: two at once miss them). A test outside it that
+    starts one anyway (a CLI choosing its tier by trust, a probe of every tier) paid a boot
+    (seconds under TCG) beside that worker's guest: it fails, told to say its tier or be marked
+    ``microvm``. Seen by the boot images in the worker's snapshot store, which any start or
+    probe of a guest builds first; not after this worker's own microVM tests (theirs build on
+    in the background)."""
+    config = request.config
+    if _microvm_unit(request.node):
+        config.stash[_RAN_MICROVM_UNIT] = True
+    if not _in_worker() or config.stash.get(_RAN_MICROVM_UNIT, False):
+        yield
+        return
+    boot = Path(os.environ.get("STOCKADE_SNAPSHOT_DIR", "")) / "refs" / "boot"
+    before = _entries(boot)
+    yield
+    started = sorted(_entries(boot) - before)
+    if started:
+        pytest.fail(
+            f"{request.node.nodeid} started a microVM guest outside the microVM's unit (boot images "
+            f"{started}): give it a tier that is not the microVM's, or mark it @pytest.mark.microvm"
+        )
+
+
+def _entries(folder: Path) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except OSError:  # none yet
+        return set()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _home_is_left_untouched() -> Iterator[None]:
     before = _home_state()

@@ -325,8 +325,11 @@ def test_audit_verify_is_not_intact_while_a_killed_run_had_a_call_in_flight(tmp_
     env = {**os.environ, "STOCKADE_KILL_DIR": str(tmp_path / "kill"), "STOCKADE_AUDIT_KEY": "k" * 32}
     cli = [sys.executable, "-m", "stockade.cli.main"]
     db = f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}"
+    # the example policy's trust: the process tier (the default trust's is the microVM: a guest
+    # booted beside the microVM worker's, which this test is not about)
     proc = subprocess.Popen(
-        [*cli, "agent", "stall", "-w", "project", "-m", "scripted:turns.json", "--run-id", "stalled"],
+        [*cli, "agent", "stall", "-w", "project", "-m", "scripted:turns.json", "--run-id", "stalled",
+         "--policy", str(EXAMPLE_POLICY)],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     # the code runs; the log's batches (every 0.2 s) are written meanwhile

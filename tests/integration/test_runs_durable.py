@@ -1,5 +1,7 @@
 """Durable runs, checked from outside: real processes SIGKILLed at random points, on SQLite and
-PostgreSQL, each resumed in a new process with a new process-tier sandbox until it ends.
+PostgreSQL, each resumed in a new process with a new process-tier sandbox until it ends (each
+forked by ``durable_forks.py``, which imported stockade once: a new interpreter's imports were
+half of a process's time, and the test starts 40-60).
 
 Each trial kills a run once or twice in a row, at points drawn at random: between steps,
 inside a slow tool before or after its effect, right after a call returned, during a model
@@ -24,11 +26,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,7 @@ from tests.integration.run_stores import StoreTarget, run_store_target  # noqa: 
 
 pytestmark = pytest.mark.process
 
-CHILD = Path(__file__).with_name("durable_child.py")
+FORKS = Path(__file__).with_name("durable_forks.py")
 TRIALS = int(os.environ.get("STOCKADE_DURABLE_TRIALS", "16"))
 POINTS = (
     "step:1",
@@ -86,29 +90,106 @@ def _seed(work: Path) -> None:
     (seed / "src" / "app.py").write_text("print('pay')\n")
 
 
+class Forks:
+    """The children's processes, forked by ``durable_forks.py`` (which imported what they
+    import once, for the module) rather than each a new interpreter; their output in files."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(FORKS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self._read = b""
+
+    def start(self, args: list[str], out: Path) -> int:
+        """Its pid; its stdout and stderr go to ``out`` with the suffixes .out and .err."""
+        request = {
+            "args": args,
+            "stdout": str(out.with_suffix(".out")),
+            "stderr": str(out.with_suffix(".err")),
+        }
+        return int(self._ask(request, timeout_s=30).removeprefix("pid "))
+
+    def poll(self, pid: int) -> int | None:
+        """Its exit code (minus its signal), or None while it runs."""
+        said = self._ask({"wait": pid, "block": False}, timeout_s=30)
+        return None if said == "running" else int(said.removeprefix("status "))
+
+    def wait(self, pid: int, *, timeout_s: float) -> int:
+        return int(self._ask({"wait": pid, "block": True}, timeout_s=timeout_s).removeprefix("status "))
+
+    def run(self, args: list[str], out: Path, *, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        pid = self.start(args, out)
+        return self.done(args, out, self.wait(pid, timeout_s=timeout_s))
+
+    @staticmethod
+    def done(args: list[str], out: Path, code: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(
+            args, code, out.with_suffix(".out").read_text(), out.with_suffix(".err").read_text()
+        )
+
+    def _ask(self, request: dict[str, Any], *, timeout_s: float) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._read:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            assert ready, f"durable_forks.py did not answer {request} within {timeout_s:g} s"
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            assert chunk, f"durable_forks.py ended ({self.proc.wait()}) at {request}"
+            self._read += chunk
+        line, _, self._read = self._read.partition(b"\n")
+        return line.decode()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Forks]:
+    started = Forks()
+    try:
+        yield started
+    finally:
+        started.close()
+
+
 def _child(
-    mode: str, target: StoreTarget, run_id: str, work: Path, point: str, rng: random.Random
+    forks: Forks, mode: str, target: StoreTarget, run_id: str, work: Path, point: str, rng: random.Random
 ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, str(CHILD), mode, target.url, target.namespace, run_id, str(work), point]
+    args = [mode, target.url, target.namespace, run_id, str(work), point]
+    out = work / "child"
     if not point.startswith("timer"):
-        return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-    argv[-1] = "none"
+        return forks.run(args, out)
+    args[-1] = "none"
     (work / "started").unlink(missing_ok=True)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(
-        lambda: (work / "started").exists() or proc.poll() is not None,
-        what="the child to start its run",
-        timeout_s=60,
-        interval_s=0.005,
-    )
+    pid = forks.start(args, out)
+    code: int | None = None
+
+    def started_or_ended() -> bool:
+        nonlocal code
+        if (work / "started").exists():
+            return True
+        code = forks.poll(pid)
+        return code is not None
+
+    wait_for(started_or_ended, what="the child to start its run", timeout_s=60, interval_s=0.005)
     time.sleep(rng.uniform(0.0, 0.6))
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=60)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    if code is None:
+        code = forks.poll(pid)
+    if code is None:
+        os.kill(pid, signal.SIGKILL)  # not reaped until asked: the pid is still the child's
+        code = forks.wait(pid, timeout_s=60)
+    return forks.done(args, out, code)
 
 
-def _run_trial(target: StoreTarget, run_id: str, work: Path, rng: random.Random) -> dict[str, object]:
+def _run_trial(
+    forks: Forks, target: StoreTarget, run_id: str, work: Path, rng: random.Random
+) -> dict[str, object]:
     """Kill the run at one or two random points, then let it finish; return what happened."""
     _seed(work)
     kills = rng.sample(POINTS, rng.choice((1, 2)))
@@ -118,7 +199,7 @@ def _run_trial(target: StoreTarget, run_id: str, work: Path, rng: random.Random)
     for point in [*kills, "none", "none"]:
         invocations += 1
         began = time.monotonic()
-        done = _child(mode, target, run_id, work, point, rng)
+        done = _child(forks, mode, target, run_id, work, point, rng)
         history.append(f"{mode} {point} -> {done.returncode} in {time.monotonic() - began:.2f}s")
         if done.returncode == -signal.SIGKILL:
             killed.append(point)
@@ -178,7 +259,7 @@ def _check_trial(target: StoreTarget, outcome: dict[str, object], work: Path) ->
     }
 
 
-def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path) -> None:
+def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path, forks: Forks) -> None:
     require_tier("process")
     seed = int(os.environ.get("STOCKADE_DURABLE_SEED", str(random.randrange(1 << 30))))
     rng = random.Random(seed)
@@ -189,7 +270,7 @@ def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path)
         work.mkdir()
         outcome: dict[str, Any] = {"killed": []}
         try:
-            outcome = _run_trial(target, f"durable-{trial}", work, rng)
+            outcome = _run_trial(forks, target, f"durable-{trial}", work, rng)
             outcome.update(_check_trial(target, outcome, work))
         except AssertionError as error:
             # The seed replays the draw, not the timing: say where the kills fell, in order.
@@ -225,29 +306,26 @@ def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path)
     assert summary["kills"] >= TRIALS  # every trial killed its run at least once
 
 
-def test_two_resumes_of_a_killed_run_one_runs_it(target: StoreTarget, tmp_path: Path) -> None:
+def test_two_resumes_of_a_killed_run_one_runs_it(target: StoreTarget, tmp_path: Path, forks: Forks) -> None:
     require_tier("process")
     for attempt in range(4):
         work = tmp_path / f"c{attempt}"
         work.mkdir()
         _seed(work)
         run_id = f"contended-{attempt}"
-        argv = [sys.executable, str(CHILD), "start", target.url, target.namespace, run_id, str(work)]
-        killed = subprocess.run([*argv, "after:2"], capture_output=True, timeout=120, check=False)
+        args = ["start", target.url, target.namespace, run_id, str(work)]
+        killed = forks.run([*args, "after:2"], work / "killed")
         assert killed.returncode == -signal.SIGKILL, killed.stderr
-        argv[2] = "resume"
-        both = [
-            subprocess.Popen([*argv, "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(2)
+        args[0] = "resume"
+        outs = [work / "first", work / "second"]
+        both = [forks.start([*args, "none"], out) for out in outs]  # at once
+        ended = [
+            Forks.done(args, out, forks.wait(pid, timeout_s=120)) for pid, out in zip(both, outs, strict=True)
         ]
-        codes = sorted(p.wait(timeout=120) for p in both)
-        errors = [p.stderr.read() if p.stderr else "" for p in both]
+        codes = sorted(e.returncode for e in ended)
+        errors = [e.stderr for e in ended]
         assert codes[0] == 0 and codes[1] in (3, 4), (codes, errors)  # one ran; the other was refused
-        loser = next(e for p, e in zip(both, errors, strict=True) if p.returncode != 0)
+        loser = next(e.stderr for e in ended if e.returncode != 0)
         assert "running in another process" in loser or "ended (success)" in loser, loser
-        for p in both:
-            for stream in (p.stdout, p.stderr):
-                if stream is not None:
-                    stream.close()
         payments = Counter(line.split()[0] for line in (work / "payments.log").read_text().splitlines())
         assert payments == {"inv-1": 1, "inv-2": 1}, payments
