@@ -392,9 +392,19 @@ class _AuditedApprovals(Approvals):
         out of the trail (21 answered through MCP, 1 decision recorded)."""
         if self.store is None:
             raise ConfigurationError("no approval book to decide in: give the agent one")
-        self.store.decide(request.run_id, request.id, choice, by=by)
+        # Marked before the book has it: a run reading the decision as soon as it is written
+        # (its require on another thread) finds it ours to record, and records it no second time.
         with self._full_lock:
-            self._told.setdefault(request.run_id, set()).add(request.id)
+            told = self._told.setdefault(request.run_id, set())
+            mine = request.id not in told
+            told.add(request.id)
+        try:
+            self.store.decide(request.run_id, request.id, choice, by=by)
+        except BaseException:
+            if mine:  # not decided: no decision for the run to leave to us
+                with self._full_lock:
+                    self._told.get(request.run_id, set()).discard(request.id)
+            raise
         self._record(request, choice.value)
 
     def _recorded(self, request: ApprovalRequest) -> bool:

@@ -331,6 +331,28 @@ def test_an_interpreter_stopped_by_code_fails_only_the_run_it_does_not_read(sbx:
     assert sbx.run_code("6 * 7").text == "42"  # in a new interpreter
 
 
+def test_an_interpreter_busy_past_the_stall_time_is_waited_for_and_keeps_its_state(sbx: Sandbox) -> None:
+    """Slow is not stopped: a thread of an earlier run that holds the GIL in one long C call
+    (a big power, a sort) keeps the interpreter from reading a request larger than its channel
+    holds. Such an interpreter was dropped 3 s on as one that stopped reading, its state lost;
+    one that is running (not stopped, not traced, not ended) is waited for up to the run's
+    deadline now, and runs the request."""
+    sbx.run_code("state = 'kept'")
+    sbx.commands.run("mkfifo go")
+    sbx.run_code(
+        "import ctypes, threading\n"
+        "def hold():\n"
+        "    open('go').read()  # the GIL let go while it waits for the test's word\n"
+        "    open('holding', 'w').close()\n"
+        "    ctypes.PyDLL(None).sleep(6)  # one C call, the GIL held throughout: past the 3 s\n"
+        "threading.Thread(target=hold).start()"
+    )
+    sbx.commands.run("echo > go")  # after the run's answer: the thread holds the GIL between runs
+    wait_for(lambda: sbx.files.exists("holding"), what="the thread to hold the GIL")
+    big = sbx.run_code("# " + "x" * (8 << 20) + "\nstate", timeout_s=60)
+    assert (big.error, big.text) == (None, "'kept'"), big
+
+
 def test_bash_and_other_languages_run_as_fresh_processes(sbx: Sandbox) -> None:
     ex = sbx.run_code("echo $((6 * 7))", language="bash")
     assert ex.logs.stdout == "42\n" and ex.error is None

@@ -73,34 +73,37 @@ class _Lease(WrapperInstance):
     call, a cut, a close, ``alive``, ``wrapped`` itself. Each checks the end under the lock,
     and a call or a cut counts as one in flight while it runs, so one racing the block's end
     has the member replaced, not reset for the next user (a kept watchdog's cut went through
-    and killed user 2's code)."""
+    and killed user 2's code). At the end the lease lets go of the member: it keeps nothing,
+    private attributes included, to reach it by."""
 
     def __init__(self, wrapped: Instance) -> None:
         self._lock = threading.Lock()
-        self._ended = False
         self._calls = 0  # in flight
         super().__init__(wrapped)
+
+    def _held(self) -> Instance:
+        """The member, under the lock; ``SandboxClosed`` once it went back."""
+        if self._member is None:
+            raise _went_back()
+        return self._member
 
     @property
     def wrapped(self) -> Instance:
         with self._lock:
-            if self._ended:
-                raise _went_back()
-            return self._member
+            return self._held()
 
     @wrapped.setter
     def wrapped(self, member: Instance) -> None:
-        self._member = member
+        self._member: Instance | None = member
 
     @contextlib.contextmanager
     def _reaching(self) -> Iterator[Instance]:
         """The member, for one call through this lease; ``SandboxClosed`` once it went back."""
         with self._lock:
-            if self._ended:
-                raise _went_back()
+            member = self._held()
             self._calls += 1
         try:
-            yield self._member
+            yield member
         finally:
             with self._lock:
                 self._calls -= 1
@@ -117,7 +120,7 @@ class _Lease(WrapperInstance):
     def end(self) -> bool:
         """No more calls through this lease; whether one was still running (from another thread)."""
         with self._lock:
-            self._ended = True
+            self._member = None
             return self._calls > 0
 
     def close(self) -> None:
@@ -128,7 +131,7 @@ class _Lease(WrapperInstance):
     @property
     def alive(self) -> bool:
         with self._lock:
-            return not self._ended and self._member.alive
+            return self._member is not None and self._member.alive
 
 
 def _went_back() -> exc.SandboxClosed:

@@ -3,6 +3,8 @@ every decision lands in the audit trail."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,12 +12,12 @@ import pytest
 from pydantic import JsonValue
 
 from stockade.agent import RunLimits, RunStatus
-from stockade.assembly import AgentConfig, build_agent, effective_trust
+from stockade.assembly import AgentConfig, _AuditedApprovals, build_agent, effective_trust
 from stockade.audit import AuditLog, MemoryStore
-from stockade.exceptions import PolicyDenied, TierUnavailable
+from stockade.exceptions import ApprovalDecided, ApprovalRequired, PolicyDenied, TierUnavailable
 from stockade.models import FunctionModel, Model, ModelRequest, ModelResponse, ScriptedModel, tool_call
 from stockade.policy import Policy
-from stockade.policy.approval import Choice
+from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
 from stockade.runtime.clock import ManualClock
 from stockade.sandbox.ops import RunCommand, WriteFile
@@ -273,3 +275,57 @@ def test_a_configuration_error_creates_no_audit_database(tmp_path: Path) -> None
     with pytest.raises(ConfigurationError):
         build_agent(replace(bad, model="nope:x"))
     assert not db.exists() and not db.parent.exists()
+
+
+class _BookTheRunReadsAtOnce(ApprovalStore):
+    """A book whose ``decide`` lets the run read the decision the moment it is written, before
+    the decider goes on: the run's ``require`` on another thread, run to its end."""
+
+    run_asks: Callable[[], None] = staticmethod(lambda: None)
+
+    def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
+        super().decide(run_id, request_id, choice, by=by)
+        asker = threading.Thread(target=self.run_asks)
+        asker.start()
+        asker.join()
+
+
+def test_a_decision_the_run_reads_while_it_is_being_made_is_recorded_once(tmp_path: Path) -> None:
+    """``decide`` wrote the book, then marked the decision as its own to record: a run reading
+    it in between recorded it too (two decision events), and the mark left behind kept the
+    next decision of that request out of the trail. The mark comes first now."""
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    book = _BookTheRunReadsAtOnce(tmp_path / "approvals")
+    approvals = _AuditedApprovals(Approvals(store=book), log)
+    request = ApprovalRequest(run_id="r1", action="run `rm -r build`", rule="rm -r", reason="asks")
+    with pytest.raises(ApprovalRequired):
+        approvals.require(request)
+    book.run_asks = lambda: approvals.require(request)
+    approvals.decide(request, Choice.APPROVED, by="alice")
+    log.flush()
+    outcomes = [e.attributes["outcome"] for e in log.store.events(run_id="r1") if e.kind.value == "approval"]
+    assert outcomes == ["pending", "approved"]
+
+
+def test_a_decision_refused_by_the_book_leaves_the_next_one_to_the_run_to_record(tmp_path: Path) -> None:
+    """A ``decide`` the book refuses (the request waits for no decision) records nothing, and
+    leaves no mark: the request's next decision, made elsewhere (``stockade approve``), is
+    recorded by the run that reads it."""
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    book = ApprovalStore(tmp_path / "approvals")
+    approvals = _AuditedApprovals(Approvals(store=book), log)
+    request = ApprovalRequest(run_id="r1", action="run `rm -r build`", rule="rm -r", reason="asks")
+    with pytest.raises(ApprovalRequired):
+        approvals.require(request)
+    approvals.decide(request, Choice.APPROVED, by="alice")
+    approvals.require(request)  # the yes spent
+    with pytest.raises(ApprovalDecided):
+        approvals.decide(request, Choice.APPROVED, by="alice")
+    with pytest.raises(ApprovalRequired):
+        approvals.require(request)  # asked anew
+    book.decide("r1", approvals.keyed(request).id, Choice.DENIED, by="bob")
+    with pytest.raises(PolicyDenied):
+        approvals.require(request)
+    log.flush()
+    outcomes = [e.attributes["outcome"] for e in log.store.events(run_id="r1") if e.kind.value == "approval"]
+    assert outcomes == ["pending", "approved", "pending", "denied"]

@@ -92,7 +92,8 @@ def test_a_member_whose_user_left_a_call_running_is_replaced_not_reset() -> None
 
 def test_a_handle_kept_past_its_block_neither_cuts_nor_closes_the_next_users_sandbox() -> None:
     """A watchdog that kept ``sbx.instance`` to cut a call at its deadline: once the block
-    ended, its cut reached the member, now the next user's, and killed that user's code."""
+    ended, its cut reached the member, now the next user's, and killed that user's code. Nor
+    does the handle keep the member (``kept._member`` reached it after the block)."""
     backend = FakeBackend()
     with SandboxPool(backend=backend, size=1) as pool:
         with pool.acquire() as mine:
@@ -109,6 +110,8 @@ def test_a_handle_kept_past_its_block_neither_cuts_nor_closes_the_next_users_san
             kept.close()
             assert member.cuts == 1 and theirs.alive and not kept.alive
             assert theirs.run_code("1").error is None
+            # nor by its private attributes: the lease let go of the member
+            assert not [value for value in vars(kept).values() if isinstance(value, Instance)]
 
 
 class CutTakesAMoment(WrapperInstance):

@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 
 CHUNK = 1 << 16
 START_S = 10.0  # how long the zygote may take to fork an interpreter (it may still be loading site)
-# How long an interpreter that said hello may take no byte of a request it was sent: between
-# runs it waits in a read of its requests, so it is stopped (SIGSTOP by code) or wedged.
+# How long an interpreter that said hello may take no byte of a request it was sent before we
+# look whether it runs at all: stopped (SIGSTOP by code), traced or ended, it is dropped; else
+# it is busy (an earlier run's thread holding the GIL in one long C call) and waited for.
 STALL_S = 3.0
 STOPPED_READING = "the interpreter stopped reading its requests"
 
@@ -279,12 +280,21 @@ class Interpreter:
 
     def stalled(self, now: float) -> bool:
         """Whether a request the interpreter was sent is still not all taken, by its time or
-        the run's deadline: its code never ran (the interpreter reads a request whole before
-        it runs it), so the run's answer is not a timeout but ``STOPPED_READING``."""
+        the run's deadline, because the interpreter does not run: its code never ran (the
+        interpreter reads a request whole before it runs it), so the run's answer is not a
+        timeout but ``STOPPED_READING``. One that runs is looked at again ``STALL_S`` on:
+        a thread of an earlier run holding the GIL in one C call (``7 ** 10 ** 7``, a big
+        sort) keeps the reader from the request as long, and dropping it lost its state;
+        the run's deadline ends it, as the timeout it is."""
         if not self.unsent or self.job is None:
             return False
         due = self.job.due()
-        return now >= self.stall_at or (due is not None and now >= due)
+        if now < self.stall_at and (due is None or now < due):
+            return False
+        if self.pid and _running(self.pid):
+            self.stall_at = now + STALL_S
+            return False
+        return True
 
     def on_readable(self, fd: int) -> None:
         """Output of the code on its stdout or stderr, a frame on the reply channel, or room
@@ -347,6 +357,24 @@ class Interpreter:
         kill_tree(self.shim, include_root=True)
         if self.adopter != self.shim:  # what its code left behind, now the zygote's
             kill_tree(self.adopter, include_root=False)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` can still read: its main thread (the one that reads requests)
+    neither stopped (T: SIGSTOP; t: held by a tracer) nor ended (Z, X), nor the process gone.
+    Linux and gVisor both say so in its ``stat``."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    state = data[data.rfind(b")") + 2 :][:1]
+    return bool(state) and state not in b"TtZX"
 
 
 def _pair() -> "tuple[int, int]":
