@@ -50,6 +50,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   └── ModelResponseInvalid      the answer cannot be counted (negative or non-numeric usage)
     ├── AuditError                    the audit trail could not do its job
     │   ├── AuditStoreError           [retryable] the audit store is unreachable or locked
+    │   │   └── AuditStoreChanged     [retryable] a writer wrote into the file while it was read
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
     ├── RunStoreError                 [retryable] the run store (checkpoints, traces) is unreachable
     │   ├── RunLeased                 [retryable] another process runs this run; ``retry_after``: its lease
@@ -104,6 +105,7 @@ __all__ = [
     "ApprovalsFull",
     "AuditError",
     "AuditIntegrityError",
+    "AuditStoreChanged",
     "AuditStoreError",
     "AuthenticationError",
     "BackendUnavailable",
@@ -756,6 +758,11 @@ class AuditStoreError(AuditError):
     """The audit store is unreachable, locked or failing; the events are kept for the next try."""
 
     retryable = True
+
+
+class AuditStoreChanged(AuditStoreError):
+    """A writer wrote into the audit store's file while it was read: nothing read is proven;
+    reading it again (``after_seq`` the last event seen) gives what was written."""
 
 
 class AuditIntegrityError(AuditError):

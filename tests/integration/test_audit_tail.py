@@ -58,3 +58,32 @@ def test_follow_prints_new_events_as_they_are_appended(tmp_path: Path) -> None:
             tail.terminate()
             tail.wait(timeout=DEADLINE_S)
         assert lines.empty()  # nothing printed twice
+
+
+def test_follow_keeps_following_a_writer_that_appends_while_it_reads(tmp_path: Path) -> None:
+    """A writer appending while the tail reads made the read unproven ("changed while it was
+    read"), and the tail stopped with that error: the one thing `tail -f` is for (CI 158). It
+    reads on from the last event it printed, each event once."""
+    path = tmp_path / "audit.db"
+    append(path, 0)
+    command = [sys.executable, "-c", "from stockade.cli.main import app; app()"]
+    args = ["audit", "tail", "--db", f"sqlite:///{path}", "-n", "1", "--follow", "--interval", "0"]
+    steps = 300
+    with subprocess.Popen(
+        [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as tail:
+        try:
+            lines = lines_of(tail)
+            assert lines.get(timeout=DEADLINE_S).split()[0] == "1"  # its seq
+            store = SQLiteStore(path)
+            with AuditLog(store, flush_interval_s=None) as log:  # each event its own write
+                for step in range(1, steps + 1):
+                    log.record(EventKind.COMMAND, run_id="run-a", step=step, attributes={"argv": ["echo"]})
+                    log.flush()
+            store.close()
+            seen = [int(lines.get(timeout=DEADLINE_S).split()[0]) for _ in range(steps)]
+            assert seen == list(range(2, steps + 2))
+            assert tail.poll() is None, tail.stderr.read() if tail.stderr else ""
+        finally:
+            tail.terminate()
+            tail.wait(timeout=DEADLINE_S)

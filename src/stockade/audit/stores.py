@@ -481,7 +481,7 @@ class SQLiteStore(AuditStore):
                             last = row.seq
                             yield row
                     if steady is not None and not steady():
-                        raise exc.AuditStoreError(
+                        raise exc.AuditStoreChanged(
                             f"audit store {self.path} changed while it was read (a writer wrote into "
                             "the file meanwhile): nothing read is proven, read it again"
                         )

@@ -41,6 +41,9 @@ out = CliConsole()
 err = CliConsole(stderr=True)
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
+# How often `tail` reads its first events again while a writer keeps appending to the file
+# (each read that saw the file change proves nothing; the next is read anew).
+READS_WHILE_WRITTEN = 5
 
 DbOpt = Annotated[
     str,
@@ -355,12 +358,19 @@ def tail(
     with _store(db, namespace) as store:
         last: deque[AuditEvent] = deque(maxlen=lines)
         failure: exc.AuditError | None = None
-        try:
-            head = store.head()
-            start = 0 if run is not None or head is None else max(0, head.seq - lines)
-            last.extend(store.events(run_id=run, after_seq=start))
-        except exc.AuditError as error:  # show what was read before it, then why it stopped
-            failure = error
+        for _ in range(READS_WHILE_WRITTEN):
+            last.clear()
+            failure = None
+            try:
+                head = store.head()
+                start = 0 if run is not None or head is None else max(0, head.seq - lines)
+                last.extend(store.events(run_id=run, after_seq=start))
+            except exc.AuditStoreChanged as error:  # a writer appended meanwhile: read again
+                failure = error
+                continue
+            except exc.AuditError as error:  # show what was read before it, then why it stopped
+                failure = error
+            break
         seen = 0
         for event in last:
             print(_line(event))
@@ -374,6 +384,8 @@ def tail(
                 for event in store.events(run_id=run, after_seq=seen):
                     print(_line(event), flush=True)
                     seen = event.seq
+            except exc.AuditStoreChanged:
+                continue  # what tail follows is written: the next poll reads on from `seen`
             except exc.AuditError as error:
                 raise _stop(error, f"after seq {seen}") from error
 
