@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from stockade.egress._resolve import LOOKUP_TIMEOUT_S, NotAName, Resolver
+from stockade.egress._resolve import LOOKUP_TIMEOUT_S, LookupsStuck, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
 from stockade.egress._streams import Buffers
 from stockade.exceptions import SandboxStartError, StockadeError
@@ -140,6 +140,8 @@ class Gate:
                 found = await self.resolver.resolve(host, port)
         except NotAName as err:
             raise Refused(400, Verdict(allowed=False, rule="dns", reason=str(err))) from None
+        except LookupsStuck as err:
+            raise Refused(502, Verdict(allowed=False, rule="dns", reason=str(err))) from None
         except TimeoutError:
             raise Refused(502, Verdict(
                 allowed=False, rule="dns",
