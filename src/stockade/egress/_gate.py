@@ -17,10 +17,10 @@ import ssl
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from stockade.egress._resolve import LOOKUP_TIMEOUT_S, NotAName, Resolver
+from stockade.egress._resolve import LOOKUP_TIMEOUT_S, LookupsStuck, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
 from stockade.egress._streams import Buffers
 from stockade.exceptions import SandboxStartError, StockadeError
@@ -77,7 +77,14 @@ class Window:
 class Gate:
     """The decisions and records of one sandbox's proxy, on its event loop."""
 
-    def __init__(self, policy: NetworkPolicy, *, observer: EgressObserver | None, resolver: Resolver) -> None:
+    def __init__(
+        self,
+        policy: NetworkPolicy,
+        *,
+        observer: EgressObserver | None,
+        resolver: Resolver,
+        secrets: Mapping[str, str] | None = None,
+    ) -> None:
         self.policy = policy
         self.judge = Judge(policy)
         self.observer = observer
@@ -87,9 +94,9 @@ class Gate:
         self.bytes = Window(policy.max_bytes_per_minute)
         self.observer_failures = 0
         self.buffers = Buffers()  # what the sandbox's connections hold in the host's memory
-        # Read here, on the host (and again at each ``renew``): the values live in this object
-        # and nowhere else.
-        self.secrets: dict[str, str] = read_secrets(policy)
+        # Read here (or by the caller: ``secrets``), on the host, and again at each ``renew``:
+        # the values live in this object and nowhere else.
+        self.secrets: dict[str, str] = read_secrets(policy) if secrets is None else dict(secrets)
         self._upstream_tls: ssl.SSLContext | None = None
         self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
         self._forms: dict[str, list[bytes]] = {}  # each credential's value as scrubbed (``secrets_for``)
@@ -140,6 +147,8 @@ class Gate:
                 found = await self.resolver.resolve(host, port)
         except NotAName as err:
             raise Refused(400, Verdict(allowed=False, rule="dns", reason=str(err))) from None
+        except LookupsStuck as err:
+            raise Refused(502, Verdict(allowed=False, rule="dns", reason=str(err))) from None
         except TimeoutError:
             raise Refused(502, Verdict(
                 allowed=False, rule="dns",

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_LOOKUPS",
     "RESOLVE_CACHE_SIZE",
     "RESOLVE_TTL_S",
+    "LookupsStuck",
     "NotAName",
     "Resolver",
     "SystemResolver",
@@ -32,11 +33,22 @@ RESOLVE_TTL_S = 15.0  # below most records' own TTL; getaddrinfo does not say th
 RESOLVE_CACHE_SIZE = 1024  # names per sandbox
 LOOKUP_TIMEOUT_S = 10.0  # a name not resolved by then is refused (glibc: 5 s a try, 2 tries a server)
 MAX_LOOKUPS = 4  # the host resolver's threads one sandbox may hold at once
+# ... and hold still, its earlier users' stuck ones with them, when a lookup would start
+# another (times ``max_lookups``): ``forget`` frees the slots, not the threads.
+MAX_THREADS_PER_LOOKUP_SLOT = 2
 
 
 class NotAName(StockadeError):
     """A name no resolver can be asked about (an empty label, one over 63 characters, ...):
     the proxy refuses the request (``400``) as it does any other it cannot read."""
+
+
+class LookupsStuck(StockadeError):
+    """The host resolver's threads this resolver holds are all in use, most of them by
+    lookups of the sandbox's earlier users that have not ended: the proxy refuses the
+    name (``502``) rather than start another. Retrying helps once they end."""
+
+    retryable = True
 
 
 class Resolver(Protocol):
@@ -73,7 +85,13 @@ class SystemResolver:
     is slow to answer held all of its threads and stalled every other sandbox's lookups.
     And not a pool the interpreter joins at exit, nor uvloop's (libuv's threads), whose
     lookups still blocked at the interpreter's exit crashed it (SIGSEGV) when they ended:
-    a daemon thread still in ``getaddrinfo`` then just ends."""
+    a daemon thread still in ``getaddrinfo`` then just ends.
+
+    ``forget`` gives the next user ``max_lookups`` free slots, but its threads are counted
+    across forgets: while ``MAX_THREADS_PER_LOOKUP_SLOT * max_lookups`` of them are still in
+    ``getaddrinfo`` (the earlier users' stuck lookups with the current one's), a lookup is
+    refused (``LookupsStuck``), so resetting a sandbox in a loop of slow names cannot pile
+    up the host's threads (it gave 4 more each reset)."""
 
     def __init__(
         self,
@@ -91,6 +109,8 @@ class SystemResolver:
         self.max_lookups = max_lookups
         self._cache: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._threads: asyncio.Semaphore | None = None  # made on the loop that first asks
+        self._running = 0  # threads in ``ask`` now, whoever's lookups they are (a forget keeps it)
+        self._running_lock = threading.Lock()  # ends in a thread, its start on the loop
 
     async def resolve(self, host: str, port: int) -> list[str]:
         if host in self.pinned:
@@ -114,7 +134,8 @@ class SystemResolver:
         """As if new, for the sandbox's next user: no answer kept (its timing told which names
         the last user asked for) and every lookup slot free (the last user's stuck lookups
         held them). A lookup still running frees the slot it took, of a semaphore nobody
-        waits on any more; its answer goes to a request that was cut."""
+        waits on any more; its answer goes to a request that was cut. Its thread still
+        counts against the threads this resolver may hold (``LookupsStuck``)."""
         self._cache = {}
         self._threads = None
 
@@ -128,6 +149,15 @@ class SystemResolver:
             self._threads = asyncio.Semaphore(self.max_lookups)
         threads = self._threads
         await threads.acquire()
+        with self._running_lock:
+            if self._running >= MAX_THREADS_PER_LOOKUP_SLOT * self.max_lookups:
+                stuck = self._running
+            else:
+                stuck = 0
+                self._running += 1
+        if stuck:
+            threads.release()
+            raise LookupsStuck(f"{host} not looked up: {stuck} lookups of this sandbox's have not ended")
         # From here the slot is the thread's: it is freed when ``ask`` returns, not when the
         # request that asked gives up (getaddrinfo cannot be cut short).
         loop = asyncio.get_running_loop()
@@ -151,12 +181,17 @@ class SystemResolver:
                 error = NotAName(f"{host} is not a DNS name ({err})")
             except Exception as err:  # a resolver's failure is the request's, not the thread's
                 error = err
+            finally:
+                with self._running_lock:
+                    self._running -= 1
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(answered, found, error)
 
         try:
             threading.Thread(target=run, name="stockade-egress-dns", daemon=True).start()
         except BaseException:  # no thread (the host is out of them): the slot stays free
+            with self._running_lock:
+                self._running -= 1
             threads.release()
             raise
         return await answer

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from collections.abc import Mapping
 from typing import Any
 
 from stockade import _exit
@@ -66,7 +67,9 @@ class EgressProxy:
     ``start_tcp``, for tests and benchmarks) in the loop of ``stockade.egress._loop``;
     ``close`` cuts every connection at once and drops the credentials. At most
     ``max_connections`` at once, holding at most ``max_buffered`` bytes between them
-    (received and not yet passed on: past it, the sandbox's connections stop reading)."""
+    (received and not yet passed on: past it, the sandbox's connections stop reading).
+    The credentials' values are read from their sources here (``read_secrets``; it may
+    block) unless the caller read them (``secrets``: ``attach`` does, within a deadline)."""
 
     def __init__(
         self,
@@ -76,9 +79,11 @@ class EgressProxy:
         resolver: Resolver | None = None,
         max_connections: int = MAX_CONNECTIONS,
         max_buffered: int = BUFFERED_LIMIT,
+        secrets: Mapping[str, str] | None = None,
     ) -> None:
         self.policy = policy
-        self.gate = Gate(policy, observer=observer, resolver=resolver or SystemResolver(policy.resolve))
+        resolver = resolver or SystemResolver(policy.resolve)
+        self.gate = Gate(policy, observer=observer, resolver=resolver, secrets=secrets)
         self.judge = self.gate.judge
         self.max_connections = max_connections
         self.gate.buffers.limit = max_buffered

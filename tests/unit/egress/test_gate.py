@@ -17,12 +17,13 @@ from typing import Any, TypeVar
 import pytest
 
 from stockade import SandboxStartError
-from stockade.egress import EgressProxy, EnvSecret, Judge, NetworkPolicy, SystemResolver, _loop
+from stockade.egress import EgressProxy, EnvSecret, Judge, NetworkPolicy, SystemResolver, _attach, _loop
 from stockade.egress._gate import Gate
 from stockade.egress._resolve import MAX_LOOKUPS
 from stockade.egress._rules import KEPT
 from stockade.egress._streams import CHUNK, Plain, wrap
 from stockade.egress._tls import CONTEXTS_KEPT
+from stockade.sandbox.base import SandboxSpec
 from stockade.types import Credential, EgressRecord, HostRule
 from tests.conftest import require
 from tests.egress_servers import TOKEN, servers
@@ -147,6 +148,37 @@ def test_a_renew_reads_the_credentials_again_and_holds_none_it_could_not_read() 
         assert proxy.gate.secrets == {} and proxy.gate.secrets_for(api) == (None, [])
     finally:
         _loop.call(proxy.close())
+
+
+class Hanging:
+    """A secret source that does not answer (a vault that accepts and never replies)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def read(self) -> str:
+        self.released.wait(5)
+        return "LATE-SECRET"
+
+
+def test_a_credential_source_that_hangs_fails_the_start_within_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start read the sources on the caller's thread with no deadline, as a reset does
+    not (10 s): a source that hung held the sandbox's start, and a pool's one refill
+    thread, for ever. Now it is a ``SandboxStartError`` (retryable) once the deadline
+    passed, nothing left of the proxy; the read's thread ends on its own."""
+    monkeypatch.setattr(_attach, "SECRETS_TIMEOUT_S", 0.2)
+    source = Hanging()
+    api = Credential(name="api", hosts=("api.test",), source=source)
+    spec = SandboxSpec(network=NetworkPolicy(allow_hosts=("api.test",), credentials=(api,)))
+    try:
+        with pytest.raises(SandboxStartError, match=r"credentials 'api'.* not read in 0.2 s") as raised:
+            _attach.attach(spec, tmp_path / "egress")
+        assert raised.value.retryable
+        assert not (tmp_path / "egress").exists()
+    finally:
+        source.released.set()
 
 
 def test_the_next_user_gets_a_resolver_that_knows_nothing_of_the_last_ones_names() -> None:

@@ -9,6 +9,7 @@ shared the event loop's few resolver threads) nor keeps its own requests without
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from stockade.egress import EgressProxy, NetworkPolicy, SystemResolver, _loop
+from stockade.egress._resolve import LookupsStuck
 from stockade.types import EgressRecord
 from tests.conftest import require, wait_for
 
@@ -213,3 +215,33 @@ def _has_uvloop() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("uvloop") is not None
+
+
+def test_resets_in_a_loop_of_slow_names_hold_a_bounded_number_of_the_hosts_threads(slow_dns: SlowDNS) -> None:
+    """A user may reset its sandbox as often as it likes (``Gate.renew``: the resolver
+    ``forget``s). Each next user gets its 4 lookup slots afresh, but the threads of earlier
+    users' lookups still blocked count against 8 in all: past them a lookup is refused at
+    once (its request a ``502``), until they end (before: 4 more threads each reset)."""
+    resolver = SystemResolver(ask=slow_dns, max_lookups=4)
+
+    async def users(count: int) -> int:
+        refused = 0
+        for _ in range(count):
+            asks = [asyncio.ensure_future(resolver.resolve(f"n{i}.slow.test", 443)) for i in range(4)]
+            for _ in range(3):  # each has its slot, and its thread or its refusal
+                await asyncio.sleep(0)
+            for ask in asks:
+                if ask.done():
+                    assert isinstance(ask.exception(), LookupsStuck)
+                    refused += 1
+                else:
+                    ask.cancel()  # the user gives up: its thread stays in getaddrinfo
+            resolver.forget()
+        return refused
+
+    assert _loop.call(users(5)) == 3 * 4
+    wait_for(lambda: slow_dns.now == 8, what="the first two users' lookups to block")
+    assert slow_dns.asked == 8
+    slow_dns.released.set()
+    wait_for(lambda: slow_dns.now == 0, what="the stuck lookups to end")
+    assert _loop.call(resolver.resolve("near.test", 9)) == ["127.0.0.1"]

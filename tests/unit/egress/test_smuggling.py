@@ -17,7 +17,9 @@ went over the wire, not what a library made of it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import re
 import socket
 import ssl
@@ -30,7 +32,7 @@ from typing import Any, ClassVar
 import pytest
 
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop, _streams
-from stockade.egress._http import HEAD_LINES, INFORMATIONAL_LIMIT, load_h11
+from stockade.egress._http import HEAD_LINES, INFORMATIONAL_LIMIT, PIECES_PER_TURN, load_h11
 from stockade.egress._streams import Plain
 from stockade.egress._upstream import UpstreamKey
 from stockade.types import EgressRecord
@@ -749,11 +751,13 @@ class CountedByRole(load_h11().Connection):  # type: ignore[misc]
     line ends each role's connections were given to parse."""
 
     lines: ClassVar[dict[Any, int]] = {}
+    pieces: ClassVar[dict[Any, int]] = {}  # how many times each role was given bytes
 
     def receive_data(self, data: bytes) -> None:
         CountedByRole.lines[self.our_role] = CountedByRole.lines.get(self.our_role, 0) + bytes(data).count(
             b"\n"
         )
+        CountedByRole.pieces[self.our_role] = CountedByRole.pieces.get(self.our_role, 0) + 1
         super().receive_data(data)
 
 
@@ -761,6 +765,7 @@ class CountedByRole(load_h11().Connection):  # type: ignore[misc]
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[Any, int]:
     """The lines h11 was given, by its role: ``SERVER`` reads requests, ``CLIENT`` answers."""
     CountedByRole.lines = {}
+    CountedByRole.pieces = {}
     monkeypatch.setattr(load_h11(), "Connection", CountedByRole)
     return CountedByRole.lines
 
@@ -863,3 +868,54 @@ def test_a_chunked_answer_with_a_small_trailer_and_a_body_of_many_lines_passes(s
     assert _statuses(answer) == [200]
     assert _dechunked(answer.split(b"\r\n\r\n", 1)[1])[0] == LINES_OF_BODY
     assert [(r.status, r.bytes_in) for r in records] == [(200, len(LINES_OF_BODY))]
+
+
+NEWLINES = b"\n" * 150_000  # a body of line ends only: each is a line to a parser of lines
+
+
+def test_a_chunk_of_line_ends_goes_to_h11_whole_not_a_few_lines_at_a_time(counted: dict[Any, int]) -> None:
+    """h11 takes a chunk's bytes as data, however many line ends they hold: they go to it
+    as they came, not ``HEAD_LINES`` at a time (586 pieces of 256 bytes, each re-slicing
+    what was left of the read: 9 MB/s, and 40-50 ms steps of the loop every sandbox shares)."""
+    with contextlib.closing(RawServer(until=b"0\r\n\r\n")) as server:
+        body = b"%x\r\n%s\r\n" % (len(NEWLINES), NEWLINES)
+        answer, records = _served(server, _chunked_post(SMALL_TRAILER, body=body))
+        (wire,) = server.got
+    assert _status(answer) == 200
+    assert _dechunked(wire.split(b"\r\n\r\n", 1)[1])[0] == NEWLINES
+    assert [(r.status, r.bytes_out) for r in records] == [(200, len(NEWLINES))]
+    assert CountedByRole.pieces[load_h11().SERVER] <= 8  # the head, a piece a read, the end
+
+
+def test_pieces_of_one_read_let_the_other_connections_run(counted: dict[Any, int]) -> None:
+    """Short chunks full of line ends: one read is many pieces of bounded lines to give h11
+    (500 to 1,000 here, and 500 events), and the loop every sandbox's proxy shares serves
+    the others every ``PIECES_PER_TURN`` of them, not only once the read is all given."""
+    chunks = b"".join(b"ff\r\n%s\r\n" % (b"\n" * 255) for _ in range(500))
+    server = RawServer(until=b"0\r\n\r\n")
+    records: list[EgressRecord] = []
+    proxy = EgressProxy(_policy(server), observer=records.append)
+    seen: list[int] = []  # the pieces given so far, at each turn another connection had
+
+    async def other() -> None:
+        while True:
+            await asyncio.sleep(0)
+            seen.append(CountedByRole.pieces.get(load_h11().SERVER, 0))
+
+    async def serve() -> socket.socket:
+        request = _chunked_post(b"", body=chunks).replace(b"raw.test:0/", b"raw.test:%d/" % server.port)
+        client, peer = await _arrived(request, end=True)
+        others = asyncio.ensure_future(other())
+        await proxy.exchange.serve(client, tunnel=None)
+        others.cancel()
+        client.close()
+        return peer
+
+    try:
+        answer = _received(_loop.call(serve()))
+    finally:
+        _loop.call(proxy.close())
+        server.close()
+    assert _status(answer) == 200 and [r.bytes_out for r in records] == [500 * 255]
+    assert seen[-1] >= 3 * PIECES_PER_TURN
+    assert max(b - a for a, b in itertools.pairwise(seen)) <= PIECES_PER_TURN + 1
