@@ -358,28 +358,8 @@ def test_a_head_too_long_that_comes_whole_in_one_read_is_a_431(server: RawServer
 
 def test_an_answer_head_too_long_is_a_502(server: RawServer) -> None:
     """The same for a server's answer: the code gets a 502, none of that head."""
-    records: list[EgressRecord] = []
-    proxy = EgressProxy(_policy(server), observer=records.append)
-    key = UpstreamKey(address="127.0.0.2", port=server.port, scheme="http", host="raw.test", credential="")
     huge = b"HTTP/1.1 200 OK\r\n%sContent-Length: 2\r\n\r\nok" % MANY_HEADERS
-
-    async def serve() -> tuple[socket.socket, socket.socket]:
-        # The server's connection, kept from an earlier request: its answer is there already.
-        upstream, server_side = await _arrived(huge, end=False)
-        proxy.exchange.upstreams.give(key, upstream, load_h11().Connection(load_h11().CLIENT))
-        client, peer = await _arrived(
-            b"GET http://raw.test:%d/ HTTP/1.1\r\nHost: raw.test\r\n\r\n" % server.port, end=True
-        )
-        await proxy.exchange.serve(client, tunnel=None)
-        client.close()
-        return peer, server_side
-
-    peer, server_side = _loop.call(serve())
-    try:
-        answer = _received(peer)
-    finally:
-        server_side.close()
-        _loop.call(proxy.close())
+    answer, records, _ = _answered_by(server, huge)
     assert _statuses(answer) == [502] and b"x-1:" not in answer.lower() and b"rule: reply (size)" in answer
     assert [(r.method, r.status, r.rule) for r in records] == [("GET", 502, "reply (size)")]
 

@@ -655,21 +655,26 @@ def test_a_file_name_with_a_line_break_is_one_resource(tmp_path: Path) -> None:
     assert {urllib.parse.unquote(f) for f in files} == set(names)
 
 
-def test_over_http_a_queued_call_whose_request_went_away_is_dropped(tmp_path: Path) -> None:
-    """Found from outside: behind a slow run_code, write_files of ~4 MB whose connections the
-    client closed stayed queued with their arguments (300 held 2.4 GB). Now a queued call whose
-    HTTP request went away is dropped, and never runs."""
-    release = threading.Event()
+def _held_commands(tmp_path: Path, release: threading.Event) -> AgentConfig:
+    """An agent's configuration whose every command waits for ``release`` (at most 30 s)."""
 
     def slow(op: object) -> CommandResult:
         release.wait(30)
         return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
 
-    config = AgentConfig(
+    return AgentConfig(
         model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(commands=slow), tier="process"),
         audit=AuditLog(MemoryStore(), flush_interval_s=None),
         approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
     )  # fmt: skip
+
+
+def test_over_http_a_queued_call_whose_request_went_away_is_dropped(tmp_path: Path) -> None:
+    """Found from outside: behind a slow run_code, write_files of ~4 MB whose connections the
+    client closed stayed queued with their arguments (300 held 2.4 GB). Now a queued call whose
+    HTTP request went away is dropped, and never runs."""
+    release = threading.Event()
+    config = _held_commands(tmp_path, release)
     server = McpFace(McpAgent(config), transport="http", approval_wait_s=5)
 
     def call(id_: int, name: str, args: dict[str, object]) -> dict[str, object]:
@@ -731,16 +736,7 @@ def test_over_http_a_session_the_sdk_let_go_holds_its_slot_until_its_run_ends(tm
     sandboxes under ``--max-sessions 1``). Now the run ends with the SDK's session, and until it
     has, a new session is refused as one too many."""
     release = threading.Event()
-
-    def slow(op: object) -> CommandResult:
-        release.wait(30)
-        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
-
-    config = AgentConfig(
-        model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(commands=slow), tier="process"),
-        audit=AuditLog(MemoryStore(), flush_interval_s=None),
-        approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
-    )  # fmt: skip
+    config = _held_commands(tmp_path, release)
     server = McpFace(McpAgent(config), transport="http", approval_wait_s=5, idle_timeout_s=0.5)
     sleep = {
         "jsonrpc": "2.0", "id": 2, "method": "tools/call",
