@@ -45,6 +45,15 @@ def _sandbox(server: Server, token: str) -> str:
 
 def _streamed_sleep(server: Server, token: str, sandbox_id: str, *, route: str = "commands") -> socket.socket:
     """A streamed ``sleep`` whose response has begun (200): it holds one of the tenant's calls."""
+    conn = _try_streamed_sleep(server, token, sandbox_id, route=route)
+    assert conn is not None, "refused: the tenant's running calls are all taken"
+    return conn
+
+
+def _try_streamed_sleep(
+    server: Server, token: str, sandbox_id: str, *, route: str = "commands"
+) -> socket.socket | None:
+    """The same, or None when the tenant's running calls are all taken (429)."""
     sleep = {"cmd": ["sleep", "61"]} if route == "commands" else {"code": "import time; time.sleep(61)"}
     body = json.dumps({**sleep, "timeout_s": 90, "stream": True}).encode()
     conn = socket.create_connection(("127.0.0.1", server.port))
@@ -56,8 +65,25 @@ def _streamed_sleep(server: Server, token: str, sandbox_id: str, *, route: str =
         + body
     )
     head = conn.recv(4096)
+    if head.startswith(b"HTTP/1.1 429"):
+        conn.close()
+        return None
     assert head.startswith(b"HTTP/1.1 200"), head
     return conn
+
+
+def _all_places(server: Server, token: str, sandbox_id: str) -> list[socket.socket] | None:
+    """CAP streamed sleeps at once, or None (each opened closed again) while a place is still
+    held: a cut call gives its place back once its thread returns, after its process died."""
+    opened: list[socket.socket] = []
+    for _ in range(CAP):
+        conn = _try_streamed_sleep(server, token, sandbox_id)
+        if conn is None:
+            for held in opened:
+                held.close()
+            return None
+        opened.append(conn)
+    return opened
 
 
 def test_a_tenant_at_its_running_calls_is_refused_at_once_and_others_are_answered(
@@ -160,8 +186,11 @@ def test_a_call_whose_client_goes_is_stopped_in_the_sandbox_which_stays(
         wait_for(
             lambda: _sleeping(server, tokens.acme, box) == 0, what="the sleeps to be stopped", timeout_s=20
         )
-        again = [_streamed_sleep(server, tokens.acme, box) for _ in range(CAP)]  # all CAP places are free
-        for conn in again:
+        # all CAP places are given back (the code's sleep is not one `_sleeping` counts)
+        again = wait_for(
+            lambda: _all_places(server, tokens.acme, box), what="all places given back", timeout_s=30
+        )
+        for conn in again or ():
             conn.close()
         wait_for(
             lambda: _sleeping(server, tokens.acme, box) == 0, what="the sleeps to be stopped", timeout_s=20

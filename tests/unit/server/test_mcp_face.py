@@ -737,7 +737,9 @@ def test_over_http_a_session_the_sdk_let_go_holds_its_slot_until_its_run_ends(tm
     has, a new session is refused as one too many."""
     release = threading.Event()
     config = _held_commands(tmp_path, release)
-    server = McpFace(McpAgent(config), transport="http", approval_wait_s=5, idle_timeout_s=0.5)
+    # An idle time the steps between opening the session and posting its call keep within on
+    # a loaded machine (the session would end first, and the call find nothing to run in).
+    server = McpFace(McpAgent(config), transport="http", approval_wait_s=5, idle_timeout_s=2.0)
     sleep = {
         "jsonrpc": "2.0", "id": 2, "method": "tools/call",
         "params": {"name": "run_code", "arguments": {"code": "sleep 200", "language": "bash"}},
@@ -752,9 +754,12 @@ def test_over_http_a_session_the_sdk_let_go_holds_its_slot_until_its_run_ends(tm
             async def drop() -> McpSession:
                 async with (
                     httpx2.AsyncClient(base_url=url, headers=headers, timeout=10) as client,
-                    client.stream("POST", "/mcp", json=sleep),  # closed mid-call
+                    client.stream("POST", "/mcp", json=sleep) as answer,  # closed mid-call
                 ):
+                    assert answer.status_code == 200, answer.status_code
+                    started = time.monotonic() + 20
                     while (session := server.agent.find(sid)) is None or session._current is None:
+                        assert time.monotonic() < started, "the call never started"
                         await asyncio.sleep(0.01)
                 return session
 
