@@ -338,20 +338,8 @@ LONG_HEADERS = b"".join(b"X-%d: %s\r\n" % (n, b"a" * 2000) for n in range(40))  
 
 def test_a_head_too_long_that_comes_whole_in_one_read_is_a_431(server: RawServer) -> None:
     """h11 bounds a head only while it is incomplete: one that came whole is measured too."""
-    records: list[EgressRecord] = []
-    proxy = EgressProxy(_policy(server), observer=records.append)
-    request = b"GET http://raw.test:%d/ HTTP/1.1\r\nHost: raw.test\r\n%s\r\n" % (server.port, LONG_HEADERS)
-
-    async def serve() -> socket.socket:
-        client, peer = await _arrived(request, end=True)
-        await proxy.exchange.serve(client, tunnel=None)
-        client.close()
-        return peer
-
-    try:
-        answer = _received(_loop.call(serve()))
-    finally:
-        _loop.call(proxy.close())
+    request = b"GET http://raw.test:0/ HTTP/1.1\r\nHost: raw.test\r\n%s\r\n" % LONG_HEADERS
+    answer, records = _served(server, request)
     _refused_unread(server, answer, records, 431, "request (size)", b"longer than 65536 bytes")
     assert (records[0].method, records[0].path) == ("GET", "/")
 
