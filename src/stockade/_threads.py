@@ -30,9 +30,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def submit(fn: Callable[..., R], *args: Any) -> concurrent.futures.Future[R]:
+def submit(
+    fn: Callable[..., R], *args: Any, daemon: bool = False, name: str = "stockade-call"
+) -> concurrent.futures.Future[R]:
     """``fn(*args)`` in a thread of its own, started now. A cancel of the future that wins
-    the race with the thread's start runs nothing (``Future.cancel`` then says True)."""
+    the race with the thread's start runs nothing (``Future.cancel`` then says True).
+    ``daemon``: for a call its caller may give up waiting for (a source that never answers),
+    which must not keep the interpreter from exiting."""
     future: concurrent.futures.Future[R] = concurrent.futures.Future()
 
     def work() -> None:
@@ -45,7 +49,7 @@ def submit(fn: Callable[..., R], *args: Any) -> concurrent.futures.Future[R]:
         else:
             future.set_result(result)
 
-    threading.Thread(target=work, name="stockade-call").start()
+    threading.Thread(target=work, name=name, daemon=daemon).start()
     return future
 
 

@@ -23,11 +23,11 @@ import os
 import shutil
 import socket
 import ssl
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stockade._threads import submit
 from stockade.egress import _loop, _preload
 from stockade.egress._gate import read_secrets
 from stockade.egress._mux import Mux
@@ -130,15 +130,7 @@ def secrets_within(policy: NetworkPolicy, timeout_s: float = SECRETS_TIMEOUT_S) 
     to end, and what it read is dropped."""
     if not policy.credentials:
         return {}
-    read: concurrent.futures.Future[dict[str, str]] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            read.set_result(read_secrets(policy))
-        except BaseException as err:
-            read.set_exception(err)
-
-    threading.Thread(target=run, name="stockade-egress-secrets", daemon=True).start()
+    read = submit(read_secrets, policy, daemon=True, name="stockade-egress-secrets")
     try:
         return read.result(timeout_s)
     except concurrent.futures.TimeoutError:
