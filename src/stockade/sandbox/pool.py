@@ -213,15 +213,16 @@ class SandboxPool:
                 "a forked child cannot use it; make a pool in the child"
             )
         member = self._take(timeout_s)
-        lease = _Lease(member.instance)
-        try:
+        lease: _Lease | None = None
+        try:  # from here whatever ends the block (a Ctrl-C included) gives the member back
+            lease = _Lease(member.instance)
             yield Sandbox(lease)
         finally:
             if self._owner == os.getpid():  # else the block ended in a forked child: the parent's
                 member.uses += 1
                 # a call still running would reach the reset's or the next user's session: the
                 # member is closed (the call with it) and replaced instead
-                member.busy_at_return = lease.end()
+                member.busy_at_return = lease.end() if lease is not None else False
                 self._release(member)
 
     def stats(self) -> PoolStats:
@@ -267,15 +268,24 @@ class SandboxPool:
                 member = self._next_ready(deadline, timeout_s)
                 self._in_use += 1
                 missing = self.size - self._ready.qsize() - self._in_use - self._pending
-            if member.instance.alive:
+            try:
+                alive = member.instance.alive
+            except BaseException:  # counted in use: dropped, or no close would ever reach it
+                self._drop(member, "its liveness could not be read")
+                raise
+            if alive:
                 if missing > 0:  # not when the member came from the pool's count (the usual case)
                     self._wake.put(None)  # let the worker top the pool up
                 return member
-            with self._lock:
-                self._in_use -= 1
-            member.instance.close()  # broke while waiting: drop it, the worker replaces it
-            self._replaced("it broke while waiting")
-            self._wake.put(None)
+            self._drop(member, "it broke while waiting")
+
+    def _drop(self, member: _Member, why: str) -> None:
+        """Close a member taken for a user who will not get it; the worker replaces it."""
+        with self._lock:
+            self._in_use -= 1
+        member.instance.close()
+        self._replaced(why)
+        self._wake.put(None)
 
     def _next_ready(self, deadline: float, timeout_s: float) -> _Member:
         """The next ready member, waiting for one until ``deadline`` (the lock held)."""

@@ -242,3 +242,34 @@ def test_a_pool_refuses_sizes_and_times_it_cannot_keep(bad: dict[str, object]) -
     """A NaN idle time was taken, then killed the pool's thread (it never refilled)."""
     with pytest.raises(InvalidArgument):
         SandboxPool(backend=FakeBackend(MemoryWorkspace()), **bad)  # type: ignore[arg-type]
+
+
+def test_a_member_whose_liveness_check_raises_is_dropped_not_counted_in_use_for_ever() -> None:
+    """A Ctrl-C (or a backend's error) between the member's count and its hand-out left it
+    counted in use and open: no user had it, and ``close`` never reached it."""
+
+    class Flaky(FakeInstance):
+        raised = False
+
+        @property
+        def alive(self) -> bool:
+            if not Flaky.raised and not self.closed:
+                Flaky.raised = True
+                raise KeyboardInterrupt
+            return not self.closed
+
+    class FlakyBackend(FakeBackend):
+        def start(self, spec: SandboxSpec) -> FakeInstance:
+            instance = Flaky(MemoryWorkspace(), self.tier, len(self.instances) + 1, spec=spec)
+            self.instances.append(instance)
+            return instance
+
+    backend = FlakyBackend()
+    with SandboxPool(backend=backend, size=1) as pool:
+        wait_for(lambda: pool.stats().ready == 1, what="the first member", timeout_s=5, interval_s=0.01)
+        with pytest.raises(KeyboardInterrupt), pool.acquire():
+            pass
+        assert pool.stats().in_use == 0 and backend.instances[0].closed
+        with pool.acquire() as sbx:  # the worker replaced it
+            sbx.files.write("a.txt", "x")
+    assert all(instance.closed for instance in backend.instances)
