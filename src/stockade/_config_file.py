@@ -13,7 +13,7 @@ import stat
 
 from stockade.exceptions import ConfigurationError, InvalidArgument
 
-__all__ = ["MAX_CONFIG_BYTES", "audit_key", "read_config_bytes", "read_config_text"]
+__all__ = ["MAX_CONFIG_BYTES", "audit_key", "read_config_bytes", "read_config_text", "read_key_file"]
 
 MAX_CONFIG_BYTES = 16 << 20  # far above any real policy or tenants file, far below a host's memory
 
@@ -92,10 +92,28 @@ def _too_big(what: str, shown: str, max_bytes: int, fix: str) -> InvalidArgument
 
 
 def audit_key(key_file: str | os.PathLike[str] | None = None) -> bytes | None:
-    """The audit chain's HMAC key: the bytes of ``key_file`` (stripped), else of
+    """The audit chain's HMAC key: what ``key_file`` holds (``read_key_file``), else the bytes of
     ``STOCKADE_AUDIT_KEY``, else None. The variable's bytes as the OS holds them: a key is bytes,
     not text (one that is no UTF-8 made `.encode()` raise)."""
     if key_file is not None:
-        return read_config_bytes(key_file, what="the key file", max_bytes=1 << 20).strip() or None
+        return read_key_file(key_file)
     value = os.environ.get("STOCKADE_AUDIT_KEY")
     return os.fsencode(value) if value else None
+
+
+def read_key_file(path: str | os.PathLike[str]) -> bytes:
+    """The audit key a key file holds: its bytes, less one line ending at the end (``\\n`` or
+    ``\\r\\n``, what ``echo`` and editors add). Nothing else is taken off: a key is bytes, and
+    a random one may begin or end with a space or a tab (stripping all whitespace made about
+    one random 32-byte key in 20 another key, and a genuine trail failed to verify). Give the
+    SDK (``AuditLog(key=)``) a key file's key read by this too. ``InvalidArgument`` for a file
+    that holds no key: taken as none, a keyed trail was checked as if unkeyed."""
+    data = read_config_bytes(path, what="the key file", max_bytes=1 << 20)
+    key = data[:-2] if data.endswith(b"\r\n") else data.removesuffix(b"\n")
+    if not key:
+        raise InvalidArgument(
+            f"the key file {os.fspath(path)!r} holds no key",
+            argument="the key file",
+            fix="write the key in it",
+        )
+    return key

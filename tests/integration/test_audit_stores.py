@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stockade.audit import (
+    GENESIS,
     AuditLog,
     AuditStore,
     Chain,
@@ -321,6 +322,32 @@ def test_a_keyed_chain_needs_its_key(target: Target) -> None:
     assert kinds_at(target, key=b"another-key-0123456789")[0] == (0, ProblemKind.WRONG_KEY)
 
 
+def downgrade(target: Target, keep: int) -> None:
+    """What an attacker without the key does: cut the chain after ``keep`` events and rewrite
+    what is left as a plain SHA-256 chain, its head (algorithm and MAC) with it."""
+    target.sql(f"DELETE FROM {{events}} WHERE seq > {keep}")
+    plain, prev = Chain(), GENESIS
+    for seq, body, _ in target.rows():
+        forged = canonical({**json.loads(body), "prev_hash": prev}).replace(b"run_code", b"nothing")
+        prev = plain.link(prev, forged)
+        target.set_row(seq, forged.decode(), prev)
+    mac = plain.head_mac(keep, prev, target.store.ns)
+    target.sql(
+        f"UPDATE {{head}} SET seq = {keep}, hash = '{prev}', algorithm = 'sha256', mac = '{mac}' WHERE id = 1"
+    )
+
+
+def test_a_keyed_chain_rewritten_without_its_key_is_downgraded_under_the_key(target: Target) -> None:
+    """The key's holder was told ``wrong_key``: "pass no key (it is not keyed)", and, doing so,
+    that the chain was intact: the head's word that the chain is unkeyed was taken."""
+    target.fill(key=KEY)
+    downgrade(target, keep=7)
+    assert verify(target.store).ok  # the documented limit of an unkeyed chain
+    for report in (verify(target.store, key=KEY), verify_run(target.store, "run-a", key=KEY)):
+        assert [(p.seq, p.kind) for p in report.problems] == [(0, ProblemKind.DOWNGRADED)]
+        assert "no key" not in report.problems[0].detail and "downgraded" in report.problems[0].detail
+
+
 def test_a_writer_with_another_key_is_refused_before_it_writes(target: Target) -> None:
     """Another key's writer was let in: the trail then verified under neither key."""
     target.fill(key=KEY)
@@ -566,3 +593,39 @@ def test_a_chain_copied_under_another_namespace_fails_verify(target: Target) -> 
         assert verify(target.store, key=KEY).ok
     finally:
         other.close()
+
+
+def test_verify_of_a_postgresql_trail_with_no_run_store_checks_the_trail_alone(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """On a database holding only the audit tables, verify exited 3 ("run store ... lacks
+    runs_runs, ..."): it opened the run store where the SQLite path first looks for it."""
+    from typer.testing import CliRunner
+
+    from stockade.cli.main import app
+    from stockade.runs import open_run_store
+
+    with open_store(postgres_url, namespace="trail") as store, AuditLog(store, key=KEY) as log:
+        log.record(EventKind.NOTE, run_id="run-a", attributes={"n": 1})
+    (tmp_path / "key").write_bytes(KEY + b"\n")
+    verify_args = [
+        "audit",
+        "verify",
+        "--db",
+        postgres_url,
+        "--namespace",
+        "trail",
+        "--key-file",
+        str(tmp_path / "key"),
+    ]
+
+    alone = CliRunner().invoke(app, [*verify_args, "--json"])
+    assert alone.exit_code == 0 and json.loads(alone.stdout)["ledger"] is False, alone.output
+    said = CliRunner().invoke(app, verify_args)
+    assert said.exit_code == 0 and "not cross-checked" in said.output, said.output
+    named = CliRunner().invoke(app, [*verify_args, "--runs-db", postgres_url])
+    assert named.exit_code == 2 and "no run store" in named.output, named.output
+
+    open_run_store(postgres_url, key=KEY).close()  # a run store now: cross-checked
+    checked = CliRunner().invoke(app, [*verify_args, "--json"])
+    assert checked.exit_code == 0 and json.loads(checked.stdout)["ledger"] is True, checked.output

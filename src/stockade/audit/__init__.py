@@ -1,6 +1,7 @@
 """The audit trail: every action as an event in an append-only, hash-chained store.
 
     store = open_store("sqlite:///audit.db")            # or postgresql://..., memory:
+    key = read_key_file("audit.key")                    # as `stockade audit verify --key-file` reads it
     with AuditLog(store, key=key) as log:               # key: optional, HMAC-SHA256
         log.record(EventKind.TOOL_CALL, run_id=run, step=3, actor="agent",
                    attributes={"tool": "run_code"})
@@ -11,6 +12,7 @@
 Sandboxes are audited by wrapping them: ``AuditedBackend(backend, log, run_id=...)``.
 """
 
+from stockade._config_file import read_key_file
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft, EventKind, JSONValue, canonical
 from stockade.audit.log import AuditLog
 from stockade.audit.redact import Redactor, SecretValues, redact_tokens
@@ -40,6 +42,7 @@ __all__ = [
     "VerifyReport",
     "canonical",
     "open_store",
+    "read_key_file",
     "redact_tokens",
     "verify",
     "verify_run",

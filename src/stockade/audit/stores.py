@@ -195,7 +195,12 @@ def check_chain(head: Head | None, chain: Chain, namespace: str) -> None:
     if head is None:
         return
     if head.algorithm != chain.algorithm:
-        hint = "pass its key" if head.algorithm == "hmac-sha256" else "it was written without a key"
+        hint = (
+            "pass its key"
+            if head.algorithm == "hmac-sha256"
+            else "it was written without a key, or rewritten without one (`stockade audit verify` "
+            "with the key reports it downgraded)"
+        )
         raise exc.ConfigurationError(
             f"this audit store's chain uses {head.algorithm}, not {chain.algorithm}: {hint}"
         )

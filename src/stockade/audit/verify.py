@@ -16,6 +16,9 @@ its hash, a MAC over both) updated in the transaction of every batch:
   append writes one that does);
 - without a key, anyone who can write the store can recompute the whole chain and the head;
   the plain SHA-256 chain only catches accidents and careless edits. Use a key;
+- so the head's word on the algorithm is no proof: given a key, a head that says the chain is
+  unkeyed is ``downgraded`` (a keyed chain rewritten without the key, or one never keyed),
+  never a hint to verify without the key, which would then find the rewrite intact;
 - a head *replayed* from an older copy of the store (rollback), or a store emptied entirely,
   cannot be told from the truth by anything inside the store. The store's own files hold
   such copies: SQLite's write-ahead log and free pages, PostgreSQL's dead rows and WAL keep
@@ -152,6 +155,7 @@ class ProblemKind(enum.StrEnum):
     TRUNCATED = "truncated"  # the head record says the chain went further
     HEAD_FORGED = "head_forged"  # the head record does not match its MAC or the chain's end
     WRONG_KEY = "wrong_key"  # the chain is keyed and no key (or another key) was given
+    DOWNGRADED = "downgraded"  # a key was given and the head says the chain is not keyed
     UNEXPECTED_HEAD = "unexpected_head"  # the chain does not reach the head the caller pinned
     NOT_IN_TRAIL = "not_in_trail"  # the run store's ledger has a tool call the trail does not
     NOT_IN_LEDGER = "not_in_ledger"  # a tool_call event of a run the ledger knows, not in its ledger
@@ -564,12 +568,22 @@ def _read_head(store: AuditStore, problems: list[Problem]) -> Head | None:
 
 def _algorithm(head: Head | None, chain: Chain, report: _Report) -> tuple[str, bool]:
     """The chain's algorithm (the head's, where there is one) and whether the hashes can be
-    checked with the key given: a wrong key is reported once, and no hash is then judged."""
+    checked with the key given: a wrong key is reported once, and no hash is then judged.
+
+    The head's algorithm is the store's word, written by whoever writes the store: given a key,
+    a head that says the chain is unkeyed is never taken for the truth (the operator's key is),
+    since anyone who can write the store can rewrite the chain unkeyed, head and all."""
     algorithm = head.algorithm if head is not None else chain.algorithm
     check_hashes = head is None or head.algorithm == chain.algorithm
-    if not check_hashes:
-        wanted = "a key (it is keyed)" if algorithm == "hmac-sha256" else "no key (it is not keyed)"
-        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}", "")
+    if not check_hashes and chain.keyed:
+        detail = (
+            f"a key was given and the chain says it uses {algorithm}, unkeyed: downgraded (rewritten "
+            "without the key by someone who can write the store) or never keyed; an unkeyed chain "
+            "proves nothing against such a writer"
+        )
+        report(0, ProblemKind.DOWNGRADED, detail, "")
+    elif not check_hashes:
+        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass a key (it is keyed)", "")
     return algorithm, check_hashes
 
 

@@ -52,7 +52,11 @@ DbOpt = Annotated[
 RunOpt = Annotated[str | None, typer.Option("--run", help="only this run id")]
 KeyFileOpt = Annotated[
     Path | None,
-    typer.Option("--key-file", help="file holding the chain's HMAC key (else STOCKADE_AUDIT_KEY)"),
+    typer.Option(
+        "--key-file",
+        help="file holding the chain's HMAC key: its bytes less one final line ending "
+        "(else STOCKADE_AUDIT_KEY)",
+    ),
 ]
 NamespaceOpt = Annotated[str, typer.Option("--namespace", help="table prefix of the store")]
 
@@ -136,10 +140,13 @@ def _ledger(runs_db: str | None, db: str, namespace: str, key: bytes | None) -> 
     from stockade.runs import open_run_store
 
     url = runs_db or db
-    path = sqlite_path(url)
-    if path is not None and (not path.exists() or not _has_table(path, f"{namespace}_tool_calls")):
+    if not _holds_run_store(url, namespace):
         if runs_db is not None:
-            err.print(f"[red]no run store at {escape(str(path))}[/] (check --runs-db and --runs-namespace)")
+            path = sqlite_path(url)
+            where = (
+                f"at {path}" if path is not None else f"in that database (no {namespace}_tool_calls table)"
+            )
+            err.print(f"[red]no run store {escape(where)}[/] (check --runs-db and --runs-namespace)")
             raise typer.Exit(2)
         yield None
         return
@@ -153,6 +160,24 @@ def _ledger(runs_db: str | None, db: str, namespace: str, key: bytes | None) -> 
         raise typer.Exit(2) from error
     with store:
         yield store
+
+
+def _holds_run_store(url: str, namespace: str) -> bool:
+    """Whether the database at ``url`` has a run store of ``namespace`` to cross-check with,
+    asked read-only; exits UNREADABLE where it cannot be asked (that is no answer either way)."""
+    from stockade.runs.store import holds_run_store
+
+    path = sqlite_path(url)
+    if path is not None:
+        return path.exists() and _has_table(path, f"{namespace}_tool_calls")
+    try:
+        return holds_run_store(url, namespace=namespace)
+    except exc.RunStoreError as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(UNREADABLE) from error
+    except exc.StockadeError as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(2) from error
 
 
 def _tenant_ledger(ledger: RunStore, tenant: str) -> RunsLedger | None:
@@ -208,9 +233,10 @@ def verify(
     other is a problem (not_in_trail, not_in_ledger), and so is a call, or a run's final end,
     twice in the chain (duplicate_in_trail), and a call its run's process died during, until
     the run is resumed (in_flight). With the key, a run store row a resume acts on whose MAC
-    is wrong or missing is a problem (store_forged). A service keeps a chain per tenant and one run
-    store for all: a tenant's trail (--tenant, or --namespace audit_t_TENANT) is checked
-    against that tenant's runs only."""
+    is wrong or missing is a problem (store_forged), and so is a trail whose head says it is
+    unkeyed (downgraded: rewritten without the key, or never keyed). A service keeps a chain
+    per tenant and one run store for all: a tenant's trail (--tenant, or --namespace
+    audit_t_TENANT) is checked against that tenant's runs only."""
     pinned: tuple[int, str] | None = None
     if expect_head is not None:
         seq, _, digest = expect_head.partition(":")
@@ -256,6 +282,8 @@ def verify(
         colour = "green" if report.ok and report.found else "red"
         out.print(f"[{colour}]{escape(report.summary())}[/]")
         out.print(f"head: {report.last_seq}:{report.last_hash}")
+        if ledger is None:
+            out.print("no run store in the database: tool calls not cross-checked (--runs-db names one)")
         for problem in report.problems:
             out.print(f"  [red]seq {problem.seq}[/] {problem.kind.value}: {escape(problem.detail)}")
         if report.problems_elsewhere:

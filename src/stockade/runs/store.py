@@ -93,6 +93,7 @@ __all__ = [
     "RunSummary",
     "RunTrace",
     "WorkspaceUsage",
+    "holds_run_store",
     "open_run_store",
 ]
 
@@ -809,19 +810,34 @@ def open_run_store(
     ``RunStoreCorrupt``), a missing SQLite file is a ``RunStoreError`` (never a new empty store),
     nothing is made beside it, PostgreSQL runs ``READ ONLY`` transactions, every write is
     refused, and runs whose process died are shown ``interrupted`` without being marked so."""
-    db: Database
-    if url.startswith(("postgresql://", "postgres://")):
-        db = PostgresDatabase(url, read_only=read_only)
-    elif url.startswith("sqlite:///"):
-        db = SQLiteDatabase(url[len("sqlite:///") :], read_only=read_only)
-    elif url == "memory:":  # tests and one-off tools
-        db = SQLiteDatabase(":memory:", read_only=read_only)
-    elif "://" in url:
-        raise exc.ConfigurationError(f"unknown run store URL {url!r}: use sqlite:///PATH or postgresql://...")
-    else:
-        db = SQLiteDatabase(url, read_only=read_only)
+    db = _database(url, read_only=read_only)
     try:
         return RunStore(db, namespace=namespace, redactor=redactor, key=key)
     except BaseException:  # a store that lacks tables, read-only: its connection is ours to close
         db.close()
         raise
+
+
+def holds_run_store(url: str, *, namespace: str = "runs") -> bool:
+    """Whether the database at ``url`` holds a run store of ``namespace`` (its ledger's table),
+    asked read-only: a reader that only may cross-check with one (``audit verify`` of a
+    database that holds a trail and no runs) asks first, as opening the store says what it
+    lacks. ``RunStoreError`` where the database cannot be asked."""
+    table = f"{check_namespace(namespace)}_tool_calls"
+    db = _database(url, read_only=True)
+    try:
+        return bool(db.columns(table))
+    finally:
+        db.close()
+
+
+def _database(url: str, *, read_only: bool) -> Database:
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresDatabase(url, read_only=read_only)
+    if url.startswith("sqlite:///"):
+        return SQLiteDatabase(url[len("sqlite:///") :], read_only=read_only)
+    if url == "memory:":  # tests and one-off tools
+        return SQLiteDatabase(":memory:", read_only=read_only)
+    if "://" in url:
+        raise exc.ConfigurationError(f"unknown run store URL {url!r}: use sqlite:///PATH or postgresql://...")
+    return SQLiteDatabase(url, read_only=read_only)

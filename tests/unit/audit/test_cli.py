@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from stockade.audit import AuditLog, EventKind, SQLiteStore
+from stockade.audit import GENESIS, AuditLog, Chain, EventKind, SQLiteStore, canonical
 from stockade.cli.main import app
 
 runner = CliRunner()
@@ -56,6 +56,54 @@ def test_verify_with_the_key_from_a_file(tmp_path: Path) -> None:
 
     assert runner.invoke(app, ["audit", "verify", "--db", db, "--key-file", str(key_file)]).exit_code == 0
     assert runner.invoke(app, ["audit", "verify", "--db", db]).exit_code == 1
+
+
+@pytest.mark.parametrize("ending", [b"", b"\n", b"\r\n"])
+def test_a_key_file_is_its_bytes_less_one_line_ending(tmp_path: Path, ending: bytes) -> None:
+    """The key file was stripped of all whitespace: a random key that began or ended with a
+    space or a tab (about one in 20 of 32 bytes) was another key, and a genuine trail failed."""
+    key = b" \tkey-0123456789abcdef\x0b\n\t"
+    (tmp_path / "key").write_bytes(key + ending)
+    db = make_store(tmp_path / "a.db", key=key)
+
+    result = runner.invoke(app, ["audit", "verify", "--db", db, "--key-file", str(tmp_path / "key")])
+    assert result.exit_code == 0 and "intact" in result.output, result.output
+
+
+def test_a_key_file_that_holds_no_key_is_refused(tmp_path: Path) -> None:
+    """An empty key file was no key: a keyed trail was checked as an unkeyed one."""
+    (tmp_path / "key").write_bytes(b"\n")
+    db = make_store(tmp_path / "a.db", key=b"0123456789abcdef")
+
+    result = runner.invoke(app, ["audit", "verify", "--db", db, "--key-file", str(tmp_path / "key")])
+    assert result.exit_code == 2 and "holds no key" in result.output, result.output
+
+
+def test_a_trail_rewritten_without_its_key_is_downgraded_for_the_keys_holder(tmp_path: Path) -> None:
+    """The head said sha256 and verify with the key said: "pass no key (it is not keyed)"."""
+    key = b"0123456789abcdef0123456789abcdef"
+    (tmp_path / "key").write_bytes(key)
+    db = make_store(tmp_path / "a.db", key=key)
+    plain = Chain()
+    with sqlite3.connect(tmp_path / "a.db") as conn:  # an attacker who can write the file
+        conn.execute("DROP TRIGGER audit_events_no_update")
+        prev = GENESIS
+        for seq, body in conn.execute("SELECT seq, body FROM audit_events ORDER BY seq").fetchall():
+            forged = canonical({**json.loads(body), "prev_hash": prev})
+            prev = plain.link(prev, forged)
+            conn.execute(
+                "UPDATE audit_events SET body = ?, hash = ? WHERE seq = ?", (forged.decode(), prev, seq)
+            )
+        mac = plain.head_mac(5, prev, "audit")
+        conn.execute("UPDATE audit_head SET hash = ?, algorithm = 'sha256', mac = ?", (prev, mac))
+    assert runner.invoke(app, ["audit", "verify", "--db", db]).exit_code == 0  # unkeyed: proves nothing
+
+    result = runner.invoke(
+        app, ["audit", "verify", "--db", db, "--key-file", str(tmp_path / "key"), "--json"]
+    )
+    assert result.exit_code == 1, result.output
+    assert [p["kind"] for p in json.loads(result.output)["problems"]] == ["downgraded"]
+    assert "no key" not in result.output
 
 
 def test_export_writes_one_json_event_per_line(tmp_path: Path) -> None:
