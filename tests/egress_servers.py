@@ -142,7 +142,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """``you sent: <the Authorization header>`` as ``how`` makes it: in the reason phrase,
         in a Content-Encoding (gzip, deflate; ``br``: bytes no one could decode), or encoded
         in the body (base64, URL-safe base64, hex, percent-encoding); or the bare secret in
-        what the proxy refuses (``REFUSED_ECHOES``)."""
+        what the proxy refuses (``REFUSED_ECHOES``); or in another letter case (``lower``,
+        ``upper``), in a folded header line (``folded``), in a second gzip member
+        (``gzip-members``, ``gzip-members-padded``: zeros after each)."""
         secret = auth.rsplit(maxsplit=1)[-1] if auth else ""
         if how in REFUSED_ECHOES:
             name, value = REFUSED_ECHOES[how]
@@ -150,6 +152,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(status, b"ok", {name: value.format(secret=secret)})
             return
         text = f"you sent: {auth}".encode()
+        if how in ("lower", "upper"):  # the echo in another letter case, in a header and the body
+            echo = text.lower() if how == "lower" else text.upper()
+            self._send(200, echo, {"X-Echo": echo.decode()})
+            return
+        if how == "folded":  # the echo in a header folded inside the secret (obs-fold)
+            cut = len(auth) - len(secret) // 2
+            self.wfile.write(
+                b"HTTP/1.1 200 OK\r\nX-Echo: %s\r\n %s\r\nContent-Length: 2\r\n\r\nok"
+                % (auth[:cut].encode(), auth[cut:].encode())
+            )
+            return
+        if how in ("gzip-members", "gzip-members-padded"):  # the secret in a second gzip member
+            padding = b"\0" * 4 if how == "gzip-members-padded" else b""
+            body = gzip.compress(b"you sent: ") + padding + gzip.compress(auth.encode()) + padding
+            self._send(200, body, {"Content-Encoding": "gzip"})
+            return
         if how == "reason":
             self.send_response(401, f"Unauthorized {auth}")
             self.send_header("Content-Length", "0")

@@ -293,8 +293,9 @@ def test_a_credentialed_reply_hides_the_secret_in_no_header_name_nor_behind_a_li
 ) -> None:
     """What an outside attack got to code (2026-12-05): the secret as a header's name (bare,
     hex, URL-safe base64), and the echo gzipped behind a ``Content-Encoding: identity``
-    first, which ``curl --compressed`` decompressed. Code reads no form of it now."""
-    hows = [*HEADER_NAME_ECHOES, "identity-then-gzip"]
+    first, which ``curl --compressed`` decompressed; and (a review, 2026-12-07) the echo
+    lowercased or uppercased, and in a second gzip member. Code reads no form of it now."""
+    hows = [*HEADER_NAME_ECHOES, "identity-then-gzip", "lower", "upper", "gzip-members"]
     with _sandbox(egress_tier, local.policy(MIXED_TOKEN)) as sbx:
         has_curl = sbx.commands.run("command -v curl").exit_code == 0
         require("curl", has_curl, f"not in the {egress_tier} tier's image (scripts/build-image.sh)")
@@ -310,7 +311,9 @@ def test_a_credentialed_reply_hides_the_secret_in_no_header_name_nor_behind_a_li
     for how, text in seen.items():
         assert text.rpartition("HTTP/1.1 ")[2].startswith("200"), (how, text)
         assert not any(form in text.lower() for form in forms), (how, text)
-    assert seen["identity-then-gzip"].endswith("you sent: Bearer [REDACTED]"), seen
+    assert seen["identity-then-gzip"].endswith("you sent: [REDACTED]"), seen
+    assert seen["gzip-members"].endswith("you sent: [REDACTED]"), seen
+    assert all(MIXED_TOKEN.lower() not in text.lower() for text in seen.values()), seen
 
 
 def test_a_tunnel_to_an_allowed_host_with_another_sni_is_closed(egress_tier: str, local: Servers) -> None:

@@ -135,13 +135,13 @@ def test_a_renew_reads_the_credentials_again_and_holds_none_it_could_not_read() 
     try:
         assert proxy.gate.secrets == {"api": "OLD-SECRET"}
         old = proxy.gate.forms_for(api)  # the answers' scrub, as its first user's answers made it
-        assert old is not None and old.values.search(b"echo: OLD-SECRET")
+        assert old is not None and old.holds(b"echo: OLD-SECRET")
         source.value = "NEW-SECRET"
         _loop.call(proxy.renew())
         assert proxy.gate.secrets == {"api": "NEW-SECRET"}
         assert proxy.gate.secrets_for(api)[1][1] == b"Bearer NEW-SECRET"  # scrubbed as sent now
         scrub = proxy.gate.forms_for(api)  # the new value scrubbed from answers, not the old one
-        assert scrub is not None and scrub.values.search(b"echo: NEW-SECRET")
+        assert scrub is not None and scrub.holds(b"echo: NEW-SECRET")
         source.value = None
         with pytest.raises(SandboxStartError, match=r"credential 'api'.*ConnectionError"):
             _loop.call(proxy.renew())

@@ -887,3 +887,16 @@ def test_pieces_of_one_read_let_the_other_connections_run(counted: dict[Any, int
     assert _status(answer) == 200 and [r.bytes_out for r in records] == [500 * 255]
     assert seen[-1] >= 3 * PIECES_PER_TURN
     assert max(b - a for a, b in itertools.pairwise(seen)) <= PIECES_PER_TURN + 1
+
+
+def test_an_answer_head_with_a_folded_line_is_a_502_h11_never_parses(server: RawServer) -> None:
+    """h11 would join the folded line to the one before with a space (RFC 9112, 5.2), which
+    carried a secret split there past a credential host's scrub: refused from any server,
+    before h11 parses any of it."""
+    answer, records, parsed = _answered_by(
+        server,
+        b"HTTP/1.1 200 OK\r\nX-Echo: Bearer Tok\r\n\t-Zq9xKp3LmW7vT2nR8sY4bQ6\r\nContent-Length: 2\r\n\r\nok",
+    )
+    assert _statuses(answer) == [502] and b"rule: reply (syntax)" in answer and b"Zq9x" not in answer
+    assert [(r.status, r.decision, r.rule) for r in records] == [(502, "allow", "reply (syntax)")]
+    assert parsed == 0
