@@ -387,10 +387,12 @@ class Forms:
             at = lowered.find(form)
             while at >= 0:
                 found.append((at, at + len(form)))
-                at = lowered.find(form, at + 1)
+                # on past the match, as a regex's scan goes: a form that overlaps itself
+                # ("aaaa" in a run of a's) found at every byte made a list of millions
+                at = lowered.find(form, at + len(form))
         runs: list[tuple[int, int]] = []
         for start, end in sorted(found):
-            if runs and start < runs[-1][1]:
+            if runs and start <= runs[-1][1]:  # overlapping or touching: one run
                 runs[-1] = (runs[-1][0], max(end, runs[-1][1]))
             else:
                 runs.append((start, end))
