@@ -65,6 +65,50 @@ def test_the_root_filesystem_is_a_read_only_image(vm: Sandbox) -> None:
     assert root[2] == "ext4" and "ro" in root[3].split(",")
 
 
+# What the sandbox's /dev holds: each name with its kind (a device's numbers and mode, a
+# link's target), and the options /dev is mounted with.
+DEV = """
+import os, stat
+def kind(name):
+    s = os.lstat("/dev/" + name)
+    if stat.S_ISCHR(s.st_mode):
+        return ("c", os.major(s.st_rdev), os.minor(s.st_rdev), oct(stat.S_IMODE(s.st_mode)))
+    return os.readlink("/dev/" + name) if stat.S_ISLNK(s.st_mode) else "folder"
+mounts = [line.split() for line in open("/proc/self/mounts")]
+({name: kind(name) for name in os.listdir("/dev")}, [m[2:4] for m in mounts if m[1] == "/dev"])
+"""
+
+
+def test_the_sandboxs_dev_holds_only_the_devices_anyone_may_use(vm: Sandbox) -> None:
+    # It was the guest's whole devtmpfs: its disk, the host's ports, mem, kmsg, the consoles,
+    # out of reach by their modes alone. Now a small tmpfs of its own, as on the other tiers.
+    names, mounts = eval(vm.run_code(DEV).text or "")
+    devices = {
+        "null": (1, 3),
+        "zero": (1, 5),
+        "full": (1, 7),
+        "random": (1, 8),
+        "urandom": (1, 9),
+        "tty": (5, 0),
+    }
+    assert names == {
+        **{name: ("c", *numbers, "0o666") for name, numbers in devices.items()},
+        "fd": "/proc/self/fd",
+        "stdin": "/proc/self/fd/0",
+        "stdout": "/proc/self/fd/1",
+        "stderr": "/proc/self/fd/2",
+        "shm": "folder",
+        "mqueue": "folder",
+    }
+    ((fs, options),) = mounts
+    assert fs == "tmpfs" and {"nosuid", "noexec"} <= set(options.split(","))
+    used = vm.commands.run(
+        "head -c 16 /dev/urandom | wc -c; echo lost > /dev/null; echo out > /dev/stdout;"
+        " echo shared > /dev/shm/x && cat /dev/shm/x && rm /dev/shm/x"
+    )
+    assert used.stdout == "16\nout\nshared\n", used.stderr
+
+
 def test_the_enforcement_says_how(vm: Sandbox) -> None:
     e = vm.enforcement
     assert (e.memory, e.cpus, e.network) == (Mechanism.VM, Mechanism.VM, Mechanism.VM)

@@ -434,10 +434,9 @@ RECURSIVE_ROUTES = {
         'python3 -c \'b = bytearray(open("/bin/rm", "rb").read()); b[-1] ^= 1;'
         ' open("/tmp/q", "wb").write(b)\'; chmod +x /tmp/q; /tmp/q -r gone'
     ),
-    # links into /proc/self lead to the caller's own files, never the judge's (the microVM's
-    # /dev has no /dev/fd: there the same file by /proc/self)
-    "/dev/fd": "exec 9</bin/rm; /dev/fd/9 -r gone || /proc/self/fd/9 -r gone",
-    "/dev/stdin": "/dev/stdin -r gone < /bin/rm || /proc/self/fd/0 -r gone < /bin/rm",
+    # links into /proc/self lead to the caller's own files, never the judge's
+    "/dev/fd": "exec 9</bin/rm; /dev/fd/9 -r gone",
+    "/dev/stdin": "/dev/stdin -r gone < /bin/rm",
     "a link of its own to /proc/self/fd": "exec 8</bin/rm; ln -sfn /proc/self/fd /tmp/fd; /tmp/fd/8 -r gone",
     # ".." is the parent of where a link leads: lexically /tmp/l/../../usr/bin/true is the
     # image's true, while the kernel runs the copy beside the folders /tmp/l leads to

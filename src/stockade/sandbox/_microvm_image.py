@@ -79,7 +79,14 @@ done
 o=nosuid,nodev,mode=755,uid=1000,gid=1000
 $B mount -t tmpfs -o $o,size=${ws%:*},nr_inodes=${ws#*:} ws $R/workspace || fail "workspace"
 $B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 tmp $R/tmp || fail "tmp"
-$B mount -t devtmpfs -o nosuid,noexec dev $R/dev || fail "dev"
+# The sandbox's /dev is its own, as bwrap's --dev and Docker's: the devices anyone may use and
+# the links to the descriptors. Not the guest's devtmpfs: its disk, the host's ports, mem, kmsg.
+$B mount -t tmpfs -o nosuid,noexec,mode=755,size=64k,nr_inodes=32 dev $R/dev || fail "dev"
+for d in null:1:3 zero:1:5 full:1:7 random:1:8 urandom:1:9 tty:5:0; do
+  n=${d%%:*}; d=${d#*:}; $B mknod -m 666 $R/dev/$n c ${d%:*} ${d#*:} || fail "mknod $n"
+done
+$B ln -s /proc/self/fd $R/dev/fd && $B ln -s /proc/self/fd/0 $R/dev/stdin || fail "fd"
+$B ln -s /proc/self/fd/1 $R/dev/stdout && $B ln -s /proc/self/fd/2 $R/dev/stderr || fail "stdout"
 $B mkdir -p $R/dev/shm $R/dev/mqueue
 $B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 shm $R/dev/shm || fail "shm"
 $B mount -t mqueue -o nosuid,nodev,noexec mqueue $R/dev/mqueue 2>/dev/null
@@ -91,9 +98,10 @@ $B hostname sandbox
 $B ip link set lo up 2>/dev/null
 # No TIME_WAIT kept: a connection code closed first would outlive a pool's reset (netstate.py).
 echo 0 > /proc/sys/net/ipv4/tcp_max_tw_buckets
-exec 4<>$R/dev/$port 3<>$R/dev/$ctl 0</dev/null 1>/dev/console 2>/dev/console
+# The host's ports, opened here in the guest's own /dev, which the sandbox's never shows.
+exec 4<>/dev/$port 3<>/dev/$ctl 0</dev/null 1>/dev/console 2>/dev/console
 # The egress port (only with an allowlist): the supervisor's relay reads it as fd 9.
-[ -n "$eport" ] && exec 9<>$R/dev/$eport
+[ -n "$eport" ] && exec 9<>/dev/$eport
 $B umount -l /dev /proc /sys
 exec $B switch_root $R /bin/sh /opt/stockade/start.sh
 """

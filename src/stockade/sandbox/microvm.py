@@ -3,7 +3,8 @@
 The guest boots the host's Debian kernel with a tiny initramfs (static busybox, the virtio
 modules, the supervisor) that mounts the offline root filesystem read-only from an ext4
 image (built once per rootfs and cached), puts size- and inode-limited tmpfs on /workspace,
-/tmp and /dev/shm, and becomes the usual supervisor as PID 1, uid 1000, no capabilities,
+/tmp and /dev/shm, gives the sandbox a /dev of its own (the six usual devices, not the guest's
+devtmpfs), and becomes the usual supervisor as PID 1, uid 1000, no capabilities,
 no_new_privs and the process tier's seccomp filter. The host talks to it over a
 virtio-serial port whose other end is one half of a socketpair handed to QEMU.
 
