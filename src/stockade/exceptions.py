@@ -37,6 +37,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTooLarge              bigger than the transfer cap
     │   ├── ListingTooLarge           a listing over what one answer carries: list less of it
     │   ├── TreeTooDeep               folders deeper than an archive takes (128): snapshots, uploads
+    │   ├── PathTooLong               a path longer than an archive takes (4,096 bytes): downloads, snapshots
     │   ├── BaselineTampered          the run's diff baseline is not the one the host recorded
     │   ├── BaselineUnreadable        the run's diff baseline does not parse: no diff is made from it
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
@@ -133,6 +134,7 @@ __all__ = [
     "ModelUnavailable",
     "PatchRejected",
     "PathEscapeError",
+    "PathTooLong",
     "PolicyDenied",
     "PolicyFileError",
     "ProtocolError",
@@ -433,6 +435,13 @@ class TreeTooDeep(WorkspaceError):
     """The tree holds folders more than 128 deep, what an archive of it takes: a snapshot is
     refused, as is an upload (``files.upload_dir``, the service's archive and workspace
     uploads, a run's seed); ``files.download_dir`` leaves such folders out and reports them."""
+
+
+class PathTooLong(WorkspaceError):
+    """The tree holds a path longer than an archive of it takes (4,096 bytes, what Linux
+    takes in one path): ``files.download_dir`` and a snapshot (``pause`` too) are refused, and
+    the message names the path; shorten or remove it. No store's room is at fault: retrying
+    the same call cannot help."""
 
 
 class BaselineTampered(WorkspaceError):

@@ -12,6 +12,7 @@ import os
 import stat
 import time
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,13 @@ from stockade import (
     FileTypeError,
     Limits,
     PathEscapeError,
+    PathTooLong,
     Sandbox,
     SandboxFileNotFound,
     SkippedEntry,
+    SnapshotStore,
 )
+from tests.conftest import require_tier
 
 MiB = 1024 * 1024
 # From dest (``host/out``), ``a/up`` is dest itself, so ``..`` after it is ``host``.
@@ -55,6 +59,13 @@ def host(tmp_path: Path) -> Path:
     (tmp_path / "etc" / "shadow").write_text("root:secret\n")
     (tmp_path / "outside").mkdir()
     return tmp_path
+
+
+@pytest.fixture
+def process_sbx() -> Iterator[Sandbox]:
+    require_tier("process")
+    with Sandbox.create("process", limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sbx:
+        yield sbx
 
 
 def still_works(sbx: Sandbox) -> None:
@@ -140,6 +151,7 @@ def test_a_large_sparse_file_streams_with_bounded_memory_on_both_sides(tier: str
             tracemalloc.stop()
         assert result.bytes_written == 100 * MiB
         assert os.path.getsize(host / "out" / "sparse.bin") == 100 * MiB
+        assert os.stat(host / "out" / "sparse.bin").st_blocks * 512 < MiB  # its holes stay holes
         assert peak < 40 * MiB, f"the host held {peak / MiB:.0f} MiB at once"
         still_works(sbx)
 
@@ -214,3 +226,38 @@ def test_the_async_twin_has_the_same_guarantees(tier: str, host: Path) -> None:
             await sbx.close()
 
     asyncio.run(main())
+
+
+def test_entries_the_code_made_unreadable_are_downloaded_and_snapshotted(
+    process_sbx: Sandbox, host: Path, tmp_path: Path
+) -> None:
+    # `chmod 0` on a folder or file made every download, snapshot and pause fail ("Permission
+    # denied"): at the code's will. The supervisor, their owner, opens them up for the read
+    # and puts their modes back.
+    made = "mkdir locked blind && echo in > locked/f && echo b > blind/f && echo s > sealed"
+    assert process_sbx.commands.run(f"{made} && chmod 0 locked sealed && chmod 400 blind").exit_code == 0
+    process_sbx.files.download_dir(host / "out")
+    got = {name: (host / "out" / name).read_text() for name in ("locked/f", "blind/f", "sealed")}
+    assert got == {"locked/f": "in\n", "blind/f": "b\n", "sealed": "s\n"}
+    modes = "stat -c '%n %a' locked blind sealed"
+    assert process_sbx.commands.run(modes).stdout == "locked 0\nblind 400\nsealed 0\n"
+    snapshot = process_sbx.snapshot(memory=False, store=SnapshotStore(tmp_path / "store"))
+    assert process_sbx.commands.run(modes).stdout == "locked 0\nblind 400\nsealed 0\n"
+    with Sandbox.create("process", snapshot=snapshot) as copy:
+        assert copy.commands.run("chmod 700 locked blind && cat locked/f blind/f").stdout == "in\nb\n"
+
+
+def test_a_path_longer_than_an_archive_takes_is_named_not_blamed_on_the_store(
+    process_sbx: Sandbox, host: Path, tmp_path: Path
+) -> None:
+    # A snapshot refused it as a store without room (``SnapshotStoreFull``: "room for 384
+    # MiB", the workspace's own size), and the service told the tenant to delete snapshots.
+    folders = "/".join(["d" * 250] * 16)  # 4,016 bytes; its file's path is over 4,096
+    assert process_sbx.commands.run(f"mkdir -p {folders} && cd {folders} && touch {'f' * 200}").exit_code == 0
+    with pytest.raises(PathTooLong, match="is a path longer than the 4096 bytes an archive takes"):
+        process_sbx.files.download_dir(host / "out")
+    with pytest.raises(
+        PathTooLong, match=r"cannot snapshot the sandbox's workspace: 'd{200}'\.\.\. is a path longer"
+    ):
+        process_sbx.snapshot(memory=False, store=SnapshotStore(tmp_path / "store"))
+    assert not (host / "out").exists()

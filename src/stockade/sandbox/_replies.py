@@ -48,6 +48,7 @@ WORKSPACE_ERRORS: dict[str, type[exc.WorkspaceError]] = {
     "too_large": exc.FileTooLarge,
     "listing": exc.ListingTooLarge,
     "deep": exc.TreeTooDeep,
+    "long_path": exc.PathTooLong,
     "full": exc.WorkspaceFull,
 }
 

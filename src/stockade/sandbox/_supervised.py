@@ -507,24 +507,39 @@ class SupervisedInstance(Instance):
                     )
                     self.files.get_archive(op, sink)
                 except exc.FileTooLarge as error:
-                    # The supervisor's words are a download's ("cannot download '/workspace': ...;
-                    # pass a larger max_bytes"): only what it found is said.
-                    found = str(error).split(": ", 1)[-1].split("; pass a larger")[0]
-                    if own <= left and "max_bytes" in found:
-                        raise exc.SnapshotIncompatible(
-                            f"cannot snapshot sandbox {self.id}: its {area}'s files are larger than "
-                            f"the {area} itself ({self._area_setting(area)}), so no restore could put "
-                            f"them back: {found} (a sparse file counts whole: a snapshot keeps its "
-                            "holes as bytes); remove or shrink that file and snapshot again"
-                        ) from None
-                    raise exc.SnapshotStoreFull(
-                        f"the sandbox's {area} does not fit the snapshot store (room for {cap // (1 << 20)} "
-                        f"MiB of its {room.store.max_bytes // (1 << 20)} MiB; STOCKADE_SNAPSHOT_MAX_MB "
-                        f"raises it): {found}"
+                    raise self._too_large(
+                        area, str(error), store_room=own > left, cap=cap, room=room
                     ) from None
                 paths[area], digests[area] = path, digest.hexdigest()
             # Into the objects only once both are whole: a refused /tmp leaves no workspace behind.
             return {area: room.store.add_file(paths[area], digest=digests[area]) for area in paths}
+
+    def _too_large(
+        self, area: Area, said: str, *, store_room: bool, cap: int, room: Reservation
+    ) -> exc.SnapshotError:
+        """What a snapshot refused by the supervisor's cap on ``area``'s archive raises:
+        ``store_room``, whether that cap was the store's room left (else the area's own size).
+        Only a refusal of bytes the store has no room for is the store's; too many entries is
+        no room's fault (``PathTooLong``, ``TreeTooDeep`` are no ``FileTooLarge`` at all)."""
+        # The supervisor's words are a download's ("cannot download '/workspace': ...; pass a
+        # larger max_bytes"): only what it found is said.
+        found = said.split(": ", 1)[-1].split("; pass a larger", 1)[0]
+        if "max_bytes" not in found:
+            return exc.SnapshotIncompatible(
+                f"cannot snapshot sandbox {self.id}: its {area} is past what a snapshot takes: {found}"
+            )
+        if not store_room:
+            return exc.SnapshotIncompatible(
+                f"cannot snapshot sandbox {self.id}: its {area}'s files are larger than "
+                f"the {area} itself ({self._area_setting(area)}), so no restore could put "
+                f"them back: {found} (a sparse file counts whole: a snapshot keeps its "
+                "holes as bytes); remove or shrink that file and snapshot again"
+            )
+        return exc.SnapshotStoreFull(
+            f"the sandbox's {area} does not fit the snapshot store (room for {cap // (1 << 20)} "
+            f"MiB of its {room.store.max_bytes // (1 << 20)} MiB; STOCKADE_SNAPSHOT_MAX_MB "
+            f"raises it): {found}"
+        )
 
     def _area_bytes(self, area: Area) -> int:
         """The size of the sandbox's tmpfs at ``area``: all its files can ever take."""

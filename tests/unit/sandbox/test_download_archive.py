@@ -222,6 +222,26 @@ def test_fifos_sockets_and_devices_are_skipped_and_reported(tmp_path: Path) -> N
     assert result.skipped_count == 5 and result.files == 2
 
 
+def test_a_name_that_changed_while_it_was_archived_is_skipped_and_reported(tmp_path: Path) -> None:
+    result = download(archive(file("a.txt"), (member("t", b"c"), b""), file("b.txt")), tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["a.txt", "b.txt"]
+    assert result.skipped == (SkippedEntry(path="t", kind="changed"),)
+
+
+def test_runs_of_zeros_stay_holes_so_a_sparse_file_stays_sparse(tmp_path: Path) -> None:
+    # A 100 MiB sparse file of the sandbox took 100 MiB of the host's disk: its holes come
+    # as zeros, and were written. Aligned runs of 64 KiB of zeros are holes now.
+    data = bytes(3 * MiB + 100) + b"end" + bytes(5 * MiB + 7)
+    stream = archive(file("sparse.bin", data))
+    with Extraction(tmp_path / "out") as unpack:
+        for start in range(0, len(stream), 100_000):  # pieces that cut through the runs
+            unpack.feed(stream[start : start + 100_000])
+        result = unpack.finish()
+    path = tmp_path / "out" / "sparse.bin"
+    assert path.read_bytes() == data and result.bytes_written == len(data)
+    assert path.stat().st_blocks * 512 <= 256 * 1024
+
+
 # -- links out, by any route ---------------------------------------------------------------
 
 

@@ -14,13 +14,25 @@ as a bare header of type ``d`` and left out with what it holds: the host reports
 download), or the walk is refused (``deep``: a snapshot, which must not lose files).
 Symlinks are sent as links, further names of a file as hard links, FIFOs, devices and
 sockets as bare headers (the host skips and reports them; tar has no type for sockets, so
-they carry ``SOCKTYPE``).
+they carry ``SOCKTYPE``). A name that changed kind between its listing and its reading (a
+file become a link, a link a FIFO) is sent as a bare header of ``CHANGEDTYPE``, reported by
+the host: the code may change its files at any time, and one race must not fail the rest. A
+path longer than ``MAX_NAME`` is refused (``long_path``): the host takes no longer name.
+
+An entry of the sandbox's own user whose mode denies that user a read (``chmod 0``: a file
+without ``r``, a folder without ``r`` or ``x``) is still taken: the supervisor runs as that
+user, so it adds the bits it lacks, reads, and puts the mode back; the archive keeps the
+mode it had. The bits are added through a descriptor of the very inode that was checked
+(``O_PATH | O_NOFOLLOW``, then its ``/proc/self/fd`` name), never by a path a racing link
+could redirect; a file's mode is back as soon as it is open, a folder's once its walk
+leaves it.
 
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tarfile
@@ -40,6 +52,13 @@ MAX_NAME = 4096  # bytes of a member's path: what the host accepts
 OPEN_TRANSFERS = 4  # a host that vanished mid-download leaves at most this many behind
 SOCKTYPE = b"s"
 DEEPTYPE = b"d"  # a folder past MAX_DEPTH, left out: its name only, for the host to report
+CHANGEDTYPE = b"c"  # a name that changed kind while it was archived: left out, reported
+# What opening or reading a listed name gives when it changed kind meanwhile: a link where a
+# file was (ELOOP, O_NOFOLLOW), a file where a link was (EINVAL from readlink), a socket
+# (ENXIO), a file where a folder was (ENOTDIR), or nothing any more (ENOENT).
+CHANGED = (errno.ENOENT, errno.EINVAL, errno.ELOOP, errno.ENOTDIR, errno.ENXIO)
+O_PATH = getattr(os, "O_PATH", 0o10000000)  # Linux's value, for a Python without the name
+READ_DIR = stat.S_IRUSR | stat.S_IXUSR  # what the owner needs to list a folder and reach its entries
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 HINT = "; pass a larger {} to files.download_dir to allow it"
@@ -96,6 +115,47 @@ def _open_root(workspace: "Workspace", path: str) -> int:
         os.close(parent)
 
 
+def _open_entry(parent: int, name: str, st: os.stat_result, flags: int, bits: int) -> "tuple[int, int]":
+    """``name`` of ``parent`` opened with ``flags``, and the mode to put back on it, or -1.
+
+    An entry of our own user whose mode denies us ``bits`` (``chmod 0`` by the code, so that
+    downloads and snapshots fail) is opened up first: through a descriptor of the inode
+    ``st`` describes (``O_PATH | O_NOFOLLOW``: a link swapped in meanwhile is that link, never
+    what it points to), and its ``/proc/self/fd`` name, which leads to that inode alone. Where
+    that cannot be done, the plain open says why (``EACCES``), as it would have."""
+    if bits & ~st.st_mode and st.st_uid == os.geteuid():
+        pinned = os.open(name, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            now = os.fstat(pinned)
+            mode = stat.S_IMODE(now.st_mode)
+            if (now.st_dev, now.st_ino, stat.S_IFMT(now.st_mode)) == (
+                st.st_dev,
+                st.st_ino,
+                stat.S_IFMT(st.st_mode),
+            ):
+                fd = _opened_up(pinned, mode, bits, flags & ~os.O_NOFOLLOW)
+                if fd >= 0:
+                    return fd, mode
+        finally:
+            os.close(pinned)
+    return os.open(name, flags, dir_fd=parent), -1
+
+
+def _opened_up(pinned: int, mode: int, bits: int, flags: int) -> int:
+    """The inode of the ``O_PATH`` descriptor ``pinned``, opened with ``bits`` added to its
+    ``mode``; -1 when its mode cannot be changed (no /proc, another owner)."""
+    inode = "/proc/self/fd/%d" % pinned
+    try:
+        os.chmod(inode, mode | bits)
+    except OSError:
+        return -1
+    try:
+        return os.open(inode, flags)
+    except BaseException:
+        os.chmod(inode, mode)
+        raise
+
+
 def _names(fd: int) -> "list[str]":
     """A folder's names, last first (the walk pops them in order)."""
     return sorted(os.listdir(fd), reverse=True)
@@ -111,7 +171,8 @@ class TarStream:
         self.total = 0
         self.entries = 0
         self.pending = bytearray()
-        self.dirs: "list[tuple[list[str], str]]" = []  # each level's names to come, its prefix
+        # each level's names to come, its prefix, and its mode to put back on leaving (or -1)
+        self.dirs: "list[tuple[list[str], str, int]]" = []
         self.file = -1
         self.left = 0
         self.pad = 0
@@ -120,7 +181,7 @@ class TarStream:
         self.finished = False
         self.walk = DirWalk(root)  # one descriptor whatever the depth
         try:
-            self.dirs.append((_names(root), ""))
+            self.dirs.append((_names(root), "", -1))
         except BaseException:
             self.walk.close()
             raise
@@ -137,6 +198,13 @@ class TarStream:
         if self.file >= 0:
             os.close(self.file)
             self.file = -1
+        # A walk cut short (an error, a host gone) still puts back the modes it opened up.
+        while len(self.dirs) > 1 and self.walk.fd >= 0:
+            mode = self.dirs.pop()[2]
+            try:
+                self.walk.up(mode)
+            except (OSError, PathRefused):
+                break
         self.walk.close()
         self.dirs = []
         self.pending = bytearray()
@@ -158,13 +226,13 @@ class TarStream:
             self.pending += bytes(2 * BLOCK)
             self.ended = True
             return
-        names, prefix = self.dirs[-1]
+        names, prefix, mode = self.dirs[-1]
         if not names:
-            self.dirs.pop()
-            if self.dirs:
-                self.walk.up()
+            if len(self.dirs) > 1:
+                self.walk.up(mode)
             else:
                 self.walk.close()
+            self.dirs.pop()  # after the move up: a walk cut by it still knows where it is
             return
         name = names.pop()
         self._member(self.walk.fd, name, prefix + name)
@@ -179,9 +247,10 @@ class TarStream:
             message = "the folder has more than max_entries=%d entries" % self.max_entries
             raise PathRefused("too_large", message + HINT.format("max_entries"))
         if len(arc.encode("utf-8", "surrogateescape")) > MAX_NAME:
-            raise PathRefused("too_large", "%r... is a path longer than %d bytes" % (arc[:200], MAX_NAME))
+            message = "%r... is a path longer than the %d bytes an archive takes" % (arc[:200], MAX_NAME)
+            raise PathRefused("long_path", message)
         info = tarfile.TarInfo(arc)
-        info.mode = stat.S_IMODE(st.st_mode)
+        info.mode = stat.S_IMODE(st.st_mode)  # as it is, though the walk may open it up a moment
         info.mtime = int(st.st_mtime)
         if stat.S_ISDIR(st.st_mode):
             if len(self.dirs) >= MAX_DEPTH:  # what is in it would be past what the host takes
@@ -194,13 +263,24 @@ class TarStream:
                 info.type = DEEPTYPE
                 self._header(info)
                 return
-            self.walk.down(name)
-            self.dirs.append((_names(self.walk.fd), arc + "/"))
+            try:
+                sub, mode = _open_entry(parent, name, st, DIR_FLAGS, READ_DIR)
+            except OSError as error:
+                self._changed(info, error)
+                return
+            self.walk.enter(sub)
+            names: "list[str]" = []
+            self.dirs.append((names, arc + "/", mode))  # before listing: close() knows the level
+            names += _names(self.walk.fd)
             info.type = tarfile.DIRTYPE
             self._header(info)
         elif stat.S_ISLNK(st.st_mode):
             info.type = tarfile.SYMTYPE
-            info.linkname = os.readlink(name, dir_fd=parent)
+            try:
+                info.linkname = os.readlink(name, dir_fd=parent)
+            except OSError as error:
+                self._changed(info, error)
+                return
             self._header(info)
         elif stat.S_ISREG(st.st_mode):
             self._file(parent, name, arc, info, st)
@@ -214,8 +294,14 @@ class TarStream:
             info.linkname = first
             self._header(info)
             return
-        fd = os.open(name, FILE_FLAGS, dir_fd=parent)
         try:
+            fd, mode = _open_entry(parent, name, st, FILE_FLAGS, stat.S_IRUSR)
+        except OSError as error:
+            self._changed(info, error)
+            return
+        try:
+            if mode >= 0:  # opened: its mode is what it was again before a byte is read
+                os.fchmod(fd, mode)
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # replaced meanwhile: send what it is now, or nothing
                 os.close(fd)
@@ -241,6 +327,15 @@ class TarStream:
         self.file = fd
         self.left = st.st_size
         self.pad = -st.st_size % BLOCK
+
+    def _changed(self, info: tarfile.TarInfo, error: OSError) -> None:
+        """A name that is no longer what it was listed as (``error``, of opening or reading
+        it, says so): sent as a bare ``CHANGEDTYPE`` header, for the host to report."""
+        if error.errno not in CHANGED:
+            raise error
+        info.type = CHANGEDTYPE
+        info.linkname = ""
+        self._header(info)
 
     def _special(self, info: tarfile.TarInfo, st: os.stat_result) -> None:
         mode = st.st_mode

@@ -50,7 +50,10 @@ class DirWalk:
 
     def down(self, name: str) -> None:
         """Into the folder ``name`` of this one (``OSError`` if it is none; nothing moves)."""
-        sub = os.open(name, DIR_FLAGS, dir_fd=self.fd)
+        self.enter(os.open(name, DIR_FLAGS, dir_fd=self.fd))
+
+    def enter(self, sub: int) -> None:
+        """Into the folder ``sub``, a descriptor of a folder of this one, now the walk's."""
         try:
             st = os.fstat(sub)
         except BaseException:
@@ -60,10 +63,17 @@ class DirWalk:
         self.fd = sub
         self._ids.append((st.st_dev, st.st_ino))
 
-    def up(self) -> None:
-        """Back to the folder this one was entered from."""
+    def up(self, mode: int = -1) -> None:
+        """Back to the folder this one was entered from; ``mode`` (unless -1) put back on
+        this one as it is left (a walk that opened it up), once its ``..`` is open."""
         parent = os.open("..", DIR_FLAGS, dir_fd=self.fd)
-        st = os.fstat(parent)
+        try:
+            if mode >= 0:
+                os.fchmod(self.fd, mode)
+            st = os.fstat(parent)
+        except BaseException:
+            os.close(parent)
+            raise
         if (st.st_dev, st.st_ino) != self._ids[-2]:
             os.close(parent)
             raise PathRefused("missing", "a folder was moved or removed while it was walked")

@@ -50,7 +50,14 @@ STAGING = ".stockade-unpacking-"
 READ_BUFFER = 1 << 20
 MAX_REPORTED = 1000  # left-out entries named in the reply (as a download names at most)
 _CONTENT = (b"0", b"\0", b"7", b"1", b"2", b"5")  # files, hard links, symlinks, folders
-_SPECIAL = {b"6": "fifo", b"3": "char device", b"4": "block device", b"s": "socket", b"d": "too deep"}
+_SPECIAL = {
+    b"6": "fifo",
+    b"3": "char device",
+    b"4": "block device",
+    b"s": "socket",
+    b"d": "too deep",
+    b"c": "changed",
+}
 
 _transfers: "dict[str, Unpacking]" = {}
 _opened = [0]
