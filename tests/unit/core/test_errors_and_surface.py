@@ -102,7 +102,7 @@ PUBLIC: dict[str, set[str]] = {
         "FileTypeError", "HostShare", "InvalidArgument", "LimitNotEnforceable", "Limits", "Listing",
         "ListingTooLarge",
         "Logs", "Mechanism",
-        "NetworkPolicy", "PathEscapeError", "PolicyDenied", "ProtocolError", "ResourceContention",
+        "NetworkPolicy", "PathEscapeError", "PathTooLong", "PolicyDenied", "ProtocolError", "ResourceContention",
         "Result", "Sandbox", "SandboxClosed", "SandboxCrashed", "SandboxError", "SandboxFileNotFound",
         "SandboxPool", "SandboxRules", "SandboxStartError", "SkippedEntry", "Snapshot", "SnapshotCorrupt",
         "SnapshotError", "SnapshotIncompatible", "SnapshotKind", "SnapshotNotFound", "SnapshotStore",
