@@ -34,6 +34,7 @@ from stockade import (
 )
 from stockade.audit.events import EventKind
 from stockade.audit.sandbox import AuditedBackend
+from stockade.egress import _attach
 from stockade.sandbox import _registry
 from stockade.sandbox.ops import PutArchive
 from stockade.testing import capture_audit
@@ -847,6 +848,62 @@ def test_a_pools_next_user_gets_the_credential_as_its_source_says_now(
         with pool.acquire() as sbx:
             assert sbx.commands.run(fetch).stdout == "https authorized=True"
             assert local.https_seen.authorizations[-1] == "Bearer NEWER-SECRET"
+
+
+class Held(Rotating):
+    """A ``Rotating`` source that hangs while the test holds it (a vault that stopped
+    replying)."""
+
+    def __init__(self, value: str) -> None:
+        super().__init__(value)
+        self.answers = threading.Event()
+        self.answers.set()
+
+    def read(self) -> str:
+        value = super().read()
+        self.answers.wait(60)
+        return self.value or value
+
+
+def _secret_readers() -> int:
+    return sum(t.name == "stockade-egress-secrets" for t in threading.enumerate())
+
+
+def test_a_pool_whose_credential_source_hangs_keeps_one_read_of_it_and_recovers(
+    local: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each start the pool's refill retried (every half second after the deadline) and each
+    reset started a read of the source of its own and left it running: a vault that stopped
+    answering cost one more host thread, and one more read of the vault, every 10.5 s for
+    as long as it hung (9 threads, 14 after 45 s). Now the starts and the reset wait on the
+    one read still running; once the vault answers, the pool reads it again and fills."""
+    require_tier("process")
+    monkeypatch.setattr(_attach, "SECRETS_TIMEOUT_S", 0.3)  # the starts' and the resets' deadline
+    source = Held("OLD-SECRET")
+    policy = local.policy(credentials=(Credential(name="api", hosts=("api.test",), source=source),))
+    fetch = f"curl -sS https://api.test:{local.https_port}/auth"
+    before = _secret_readers()
+    try:
+        with SandboxPool("process", size=1, limits=LIMITS, network=policy) as pool:
+            with pool.acquire() as sbx:
+                assert sbx.commands.run(fetch).stdout == "https authorized=True", "curl on the host?"
+            source.answers.clear()  # the vault hangs: the reset fails, the refill's starts too
+            wait_for(lambda: pool.stats().replaced == 1, what="the member to be replaced", timeout_s=30)
+            time.sleep(3)  # several starts of the refill's
+            assert (source.reads, _secret_readers() - before) == (2, 1), "a read and a thread for each start"
+            with (
+                pytest.raises(SandboxStartError, match=r"credential 'api'.* not read in"),
+                pool.acquire(timeout_s=5),
+            ):
+                pass
+            source.value = "NEW-SECRET"
+            source.answers.set()  # back: the pool fills again, with the value read now
+            wait_for(lambda: pool.stats().ready == 1, what="a new member", timeout_s=30)
+            with pool.acquire() as sbx:
+                assert sbx.commands.run(fetch).stdout == "https authorized=True"
+                assert local.https_seen.authorizations[-1] == "Bearer NEW-SECRET"
+    finally:
+        source.answers.set()
 
 
 # The last user's code leaves K connections to the relay, on each a slow GET (answered after

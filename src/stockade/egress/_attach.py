@@ -17,7 +17,6 @@ reach the socket (and with it the sandbox's credentials).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -27,14 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stockade._threads import submit
 from stockade.egress import _loop, _preload
-from stockade.egress._gate import read_secrets
 from stockade.egress._mux import Mux
+from stockade.egress._sources import SECRETS_TIMEOUT_S, secrets_within
 from stockade.egress.proxy import EgressProxy, Resolver
-from stockade.exceptions import SandboxStartError
 from stockade.sandbox.base import SandboxSpec
-from stockade.types import NetworkPolicy
 
 __all__ = ["PROXY_PORT", "SANDBOX_DIR", "Attachment", "attach", "attach_port", "proxy_env"]
 
@@ -77,7 +73,9 @@ class Attachment:
         """For the sandbox's next user (a reset, once its supervisor renewed the relay):
         ``EgressProxy.renew``."""
         if not self._closed:
-            _loop.call(self.proxy.renew(), timeout_s=10)
+            # past the sources' deadline: one that hangs is the renew's ``SandboxStartError``,
+            # not this wait's plain timeout
+            _loop.call(self.proxy.renew(), timeout_s=self.proxy.secrets_timeout_s + 5)
 
     def close(self) -> None:
         if self._closed:
@@ -120,26 +118,6 @@ def _system_bundle(root: Path | None) -> bytes:
     return b""
 
 
-SECRETS_TIMEOUT_S = 10.0  # a credential source's read at start, as at a reset (``renew``)
-
-
-def secrets_within(policy: NetworkPolicy, timeout_s: float = SECRETS_TIMEOUT_S) -> dict[str, str]:
-    """``read_secrets``, on a daemon thread of its own for at most ``timeout_s``: a source
-    that hangs (a vault that never answers) held the sandbox's start, and a pool's only
-    refill thread, for ever. Past it a ``SandboxStartError``; the read's thread is left
-    to end, and what it read is dropped."""
-    if not policy.credentials:
-        return {}
-    read = submit(read_secrets, policy, daemon=True, name="stockade-egress-secrets")
-    try:
-        return read.result(timeout_s)
-    except concurrent.futures.TimeoutError:
-        names = ", ".join(repr(c.name) for c in policy.credentials)
-        raise SandboxStartError(
-            f"credentials {names}: their sources were not read in {timeout_s:g} s"
-        ) from None
-
-
 def attach(
     spec: SandboxSpec,
     folder: Path,
@@ -164,7 +142,13 @@ def attach(
     folder.mkdir(mode=0o700)
     try:
         secrets = secrets_within(spec.network, SECRETS_TIMEOUT_S)
-        proxy = EgressProxy(spec.network, observer=spec.egress_observer, resolver=resolver, secrets=secrets)
+        proxy = EgressProxy(
+            spec.network,
+            observer=spec.egress_observer,
+            resolver=resolver,
+            secrets=secrets,
+            secrets_timeout_s=SECRETS_TIMEOUT_S,
+        )
         _loop.call(proxy.start(str(folder / SOCKET)))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 from stockade.egress._resolve import LOOKUP_TIMEOUT_S, LookupsStuck, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
+from stockade.egress._sources import fail
 from stockade.egress._streams import Buffers
-from stockade.exceptions import SandboxStartError, StockadeError
 from stockade.types import Credential, EgressRecord, NetworkPolicy
 
 __all__ = [
@@ -309,7 +309,7 @@ class Gate:
         rate told first), the resolver's answers and lookups forgotten (else the next user
         learns by timing which names the last one asked for, and its stuck lookups hold the
         next user's slots), and the credentials' values dropped: the proxy reads them again
-        (``read_secrets``, off this loop) and gives them with ``use_secrets``, so a value
+        (``_sources.secrets_in_time``, off this loop) and gives them with ``use_secrets``, so a value
         rotated since the sandbox started is not sent for the next user."""
         self._tell_over_rate(ended=True)
         self.flush()
@@ -346,12 +346,8 @@ def read_secrets(policy: NetworkPolicy) -> dict[str, str]:
     for credential in policy.credentials:
         try:
             secrets[credential.name] = credential.source.read()
-        except StockadeError:
-            raise
         except Exception as err:
-            raise SandboxStartError(
-                f"credential {credential.name!r}: its source could not be read ({type(err).__name__})"
-            ) from err
+            fail(credential, err)
     return secrets
 
 

@@ -45,10 +45,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from stockade import _exit
-from stockade._threads import off_loop
-from stockade.egress._gate import EgressObserver, Gate, Window, read_secrets
+from stockade.egress._gate import EgressObserver, Gate, Window
 from stockade.egress._http import Exchange, load_h11
 from stockade.egress._resolve import Resolver, SystemResolver
+from stockade.egress._sources import SECRETS_TIMEOUT_S, secrets_in_time
 from stockade.egress._streams import BUFFERED_LIMIT, Plain, wrap
 from stockade.egress._tls import SandboxCA
 from stockade.egress._tunnel import Tunnels
@@ -69,7 +69,8 @@ class EgressProxy:
     ``max_connections`` at once, holding at most ``max_buffered`` bytes between them
     (received and not yet passed on: past it, the sandbox's connections stop reading).
     The credentials' values are read from their sources here (``read_secrets``; it may
-    block) unless the caller read them (``secrets``: ``attach`` does, within a deadline)."""
+    block) unless the caller read them (``secrets``: ``attach`` does, within a deadline);
+    ``renew`` reads them again within ``secrets_timeout_s``."""
 
     def __init__(
         self,
@@ -80,12 +81,14 @@ class EgressProxy:
         max_connections: int = MAX_CONNECTIONS,
         max_buffered: int = BUFFERED_LIMIT,
         secrets: Mapping[str, str] | None = None,
+        secrets_timeout_s: float = SECRETS_TIMEOUT_S,
     ) -> None:
         self.policy = policy
         resolver = resolver or SystemResolver(policy.resolve)
         self.gate = Gate(policy, observer=observer, resolver=resolver, secrets=secrets)
         self.judge = self.gate.judge
         self.max_connections = max_connections
+        self.secrets_timeout_s = secrets_timeout_s  # the sources' reads at ``renew``
         self.gate.buffers.limit = max_buffered
         intercepted = tuple(
             dict.fromkeys(
@@ -239,11 +242,12 @@ class EgressProxy:
         cut, its requests in flight too (recorded, status 0) and those waiting in the socket's
         backlog; the connections kept to servers closed; the budgets per minute afresh; the
         TLS contexts of the hosts it named dropped; the resolver's answers and lookups
-        forgotten; the credentials' values read again from their sources (on a thread of
-        stockade's, not this loop: a vault may be slow), so a secret rotated since the sandbox
-        started is not sent for its next user. A read that fails leaves the proxy holding no
-        value and raises (``read_secrets``): the sandbox is not handed on. The policy and the
-        CA stay: they are the sandbox's, not the user's."""
+        forgotten; the credentials' values read again from their sources (on a thread, not
+        this loop: a vault may be slow; within ``secrets_timeout_s``, at most one read of a
+        source in flight: ``_sources``), so a secret rotated since the sandbox started is not
+        sent for its next user. A read that fails or does not end in time leaves the proxy
+        holding no value and raises (``SandboxStartError``): the sandbox is not handed on.
+        The policy and the CA stay: they are the sandbox's, not the user's."""
         if self._closed:
             return
         self._generation += 1  # accepted and not yet served: closed when their task runs
@@ -260,7 +264,7 @@ class EgressProxy:
             self.tunnels.ca.forget()
         self.gate.renew()  # the last values dropped first: a failed read leaves none
         if self.policy.credentials:
-            secrets = await off_loop(read_secrets, self.policy)
+            secrets = await secrets_in_time(self.policy, self.secrets_timeout_s)
             if not self._closed:  # closed meanwhile (the reset gave up): nothing to hold them for
                 self.gate.use_secrets(secrets)
 

@@ -47,6 +47,19 @@ from stockade.types import Limits, NetworkPolicy, SandboxRules, Snapshot
 __all__ = ["PoolStats", "SandboxPool"]
 
 
+REFILL_RETRY_S = 0.5  # after a start failed (unless its error says when: ``retry_after``)
+# ... doubled for each failure in a row, up to this: an acquirer meanwhile gets the last
+# start's error, for up to this long after its cause ended
+MAX_REFILL_RETRY_S = 4.0
+
+
+def _backoff(err: exc.StockadeError, failures: int) -> float:
+    """How long the refill waits after its ``failures``-th failed start in a row: a cause
+    that lasts (a vault down, a tier's engine gone) is not asked twice a second for ever,
+    and a pool's acquirers get its error meanwhile."""
+    return err.retry_after or min(REFILL_RETRY_S * 2 ** min(failures - 1, 16), MAX_REFILL_RETRY_S)
+
+
 @dataclass(frozen=True)
 class PoolStats:
     ready: int
@@ -356,6 +369,7 @@ class SandboxPool:
         return store.reading(snapshot)
 
     def _refill(self) -> None:
+        failures = 0  # starts failed in a row: the wait before the next one grows
         while not self._closed.is_set():
             with self._lock:
                 missing = self.size - self._ready.qsize() - self._in_use - self._pending
@@ -371,7 +385,8 @@ class SandboxPool:
                     self._pending -= 1
                 if not err.retryable:
                     return
-                time.sleep(err.retry_after or 0.5)
+                failures += 1
+                self._closed.wait(_backoff(err, failures))
                 continue
             try:
                 instance.execute(RunCode(code=""))  # start its interpreter ahead of demand
@@ -382,8 +397,10 @@ class SandboxPool:
                 self._error = err
                 with self._lock:
                     self._pending -= 1
-                time.sleep(err.retry_after or 0.5)
+                failures += 1
+                self._closed.wait(_backoff(err, failures))
                 continue
+            failures = 0
             self._error = None
             self._count("started")
             with self._lock:

@@ -173,12 +173,66 @@ def test_a_credential_source_that_hangs_fails_the_start_within_its_deadline(
     api = Credential(name="api", hosts=("api.test",), source=source)
     spec = SandboxSpec(network=NetworkPolicy(allow_hosts=("api.test",), credentials=(api,)))
     try:
-        with pytest.raises(SandboxStartError, match=r"credentials 'api'.* not read in 0.2 s") as raised:
+        with pytest.raises(SandboxStartError, match=r"credential 'api'.* not read in 0.2 s") as raised:
             _attach.attach(spec, tmp_path / "egress")
         assert raised.value.retryable
         assert not (tmp_path / "egress").exists()
     finally:
         source.released.set()
+
+
+class Stuck:
+    """A secret source that hangs while the test holds it (a vault that stopped replying,
+    then came back), counting its reads."""
+
+    def __init__(self) -> None:
+        self.answers = threading.Event()
+        self.answers.set()
+        self.reads = 0
+
+    def read(self) -> str:
+        self.reads += 1
+        self.answers.wait(30)
+        return f"SECRET-{self.reads}"
+
+
+def _readers() -> int:
+    return sum(t.name == "stockade-egress-secrets" for t in threading.enumerate())
+
+
+def test_a_source_that_hangs_is_read_once_however_often_starts_and_resets_ask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each start started a read of its own and left it at the deadline, and a pool retries
+    a failed start every half second: a hung vault cost a host thread (and a read of the
+    vault) more every 10.5 s, without bound (9 threads, then 14 after 45 s), and each
+    reset's renew another. A read still running is now waited on again, by starts and
+    renews alike; once the source answers, it is read afresh."""
+    monkeypatch.setattr(_attach, "SECRETS_TIMEOUT_S", 0.05)
+    source = Stuck()
+    api = Credential(name="api", hosts=("api.test",), source=source)
+    spec = SandboxSpec(network=NetworkPolicy(allow_hosts=("api.test",), credentials=(api,)))
+    before = _readers()
+    running = _attach.attach(spec, tmp_path / "running")
+    try:
+        assert running.proxy.gate.secrets == {"api": "SECRET-1"}
+        source.answers.clear()  # the vault stops answering
+        for attempt in range(10):  # a pool's refill, retrying
+            with pytest.raises(SandboxStartError, match=r"'api'.* not read in 0.05 s"):
+                _attach.attach(spec, tmp_path / f"egress-{attempt}")
+        assert (source.reads, _readers() - before) == (2, 1), "a read and a thread for each start"
+        for _ in range(10):  # the resets of a pool's members
+            with pytest.raises(SandboxStartError, match=r"'api'.* not read in 0.05 s"):
+                running.renew()
+            assert running.proxy.gate.secrets == {}  # the last user's value is not kept
+        assert (source.reads, _readers() - before) == (2, 1), "a read and a thread for each reset"
+        source.answers.set()  # the vault is back: the next start and reset read it again
+        _attach.attach(spec, tmp_path / "egress").close()
+        running.renew()
+        assert running.proxy.gate.secrets == {"api": f"SECRET-{source.reads}"} and source.reads >= 3
+    finally:
+        source.answers.set()
+        running.close()
 
 
 def test_the_next_user_gets_a_resolver_that_knows_nothing_of_the_last_ones_names() -> None:

@@ -7,7 +7,14 @@ import time
 
 import pytest
 
-from stockade import InvalidArgument, ResourceContention, SandboxClosed, SandboxCrashed, SandboxRules
+from stockade import (
+    InvalidArgument,
+    ResourceContention,
+    SandboxClosed,
+    SandboxCrashed,
+    SandboxRules,
+    SandboxStartError,
+)
 from stockade.sandbox.base import Instance, SandboxSpec, WrapperBackend, WrapperInstance
 from stockade.sandbox.ops import RunCode
 from stockade.sandbox.pool import SandboxPool
@@ -182,6 +189,39 @@ def test_members_whose_warm_up_failed_are_replaced_and_the_pool_goes_on() -> Non
         with pool.acquire(timeout_s=10) as sbx:
             assert sbx.alive and len(failed) == 2
         assert sum(i.alive for i in backend.instances) == 2  # the two that failed were closed
+
+
+def test_a_pool_whose_starts_keep_failing_retries_ever_less_often_and_fills_once_they_do_not() -> None:
+    """The refill retried a failed start every half second for as long as its cause lasted
+    (a vault down: two reads of it a second, for ever). The wait now doubles with each
+    failure in a row (0.5, 1, 2 s, then 4 s); the acquirer gets the error meanwhile, and
+    a close does not wait for the refill's next try."""
+    down = threading.Event()
+    down.set()
+    tries: list[float] = []
+
+    class Failing(FakeBackend):
+        def start(self, spec: SandboxSpec) -> FakeInstance:
+            tries.append(time.monotonic())
+            if down.is_set():
+                raise SandboxStartError("credential 'api': its source could not be read (ConnectionError)")
+            return super().start(spec)
+
+    pool = SandboxPool(backend=Failing(), size=1)
+    try:
+        with pytest.raises(SandboxStartError, match="credential 'api'"), pool.acquire(timeout_s=5):
+            pass
+        time.sleep(2.5)
+        assert len(tries) <= 3, "retried every half second"  # at 0, 0.5 and 1.5 s
+        down.clear()
+        wait_for(lambda: pool.stats().ready == 1, what="the next try, 2 s after the last", timeout_s=10)
+        assert len(tries) == 4
+        with pool.acquire(timeout_s=1) as sbx:
+            assert sbx.alive
+    finally:
+        closing = time.monotonic()
+        pool.close()
+        assert time.monotonic() - closing < 2
 
 
 class SlowToAnswerAlive(WrapperInstance):
