@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from pydantic import JsonValue
 
+from stockade._cuts import plain
 from stockade.agent.events import (
     AgentEvent,
     CheckFinished,
@@ -81,12 +82,25 @@ ARGS_CAP = 4096
 ARGS_KEYS = 16
 
 
-def _args(args: Mapping[str, JsonValue], redactor: Redactor) -> dict[str, JSONValue]:
+def _plain(value: JsonValue) -> JsonValue:
+    """An argument with each cut mark typed into its text made plain (``plain``): what the model
+    asked, which nobody cut, is never redacted as a cut text (the word after a mark hidden)."""
+    if isinstance(value, str):
+        return plain(value)
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {plain(key): _plain(item) for key, item in value.items()}
+    return value
+
+
+def _args(asked: Mapping[str, JsonValue], redactor: Redactor) -> dict[str, JSONValue]:
     """The attributes that record a call's arguments: ``args``, cut past ``ARGS_CAP`` (what is
     cut is redacted first; the size and digest are of the arguments as asked)."""
-    size, digest = args_measure(args)
+    size, digest = args_measure(asked)
+    args = {plain(key): _plain(value) for key, value in asked.items()}
     if size <= ARGS_CAP:
-        return {"args": dict(args)}
+        return {"args": args}
     share = ARGS_CAP // max(min(len(args), ARGS_KEYS), 1)
     kept: dict[str, JSONValue] = {}
     for key, value in list(redactor.attributes(args).items())[:ARGS_KEYS]:

@@ -31,9 +31,10 @@ from functools import partial
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade._cuts import plain
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
-from stockade.audit.redact import Redactor
+from stockade.audit.redact import Redactor, flag_value
 from stockade.sandbox.base import (
     Backend,
     Instance,
@@ -100,7 +101,9 @@ def _no_step() -> int:
 def _kept(redactor: Redactor, text: str) -> str:
     """``text`` redacted and cut to ``TEXT_CAP`` characters; a long one cut first, then
     redacted as the head of a longer text (``Redactor.head``): redacting a path of a million
-    characters whole costs half a second."""
+    characters whole costs half a second. Every text a sandbox event copies says what was done,
+    and nobody cut it: a cut mark in it is made plain (``plain``)."""
+    text = plain(text)
     if len(text) <= TEXT_CAP:
         return redactor.cut(text, TEXT_CAP)
     return redactor.cut(text[:TEXT_CAP], TEXT_CAP, was_cut=True) + f"…[{len(text) - TEXT_CAP} more chars]"
@@ -111,7 +114,7 @@ def _text(name: str, text: str, redactor: Redactor) -> dict[str, object]:
     host folder): whole up to ``TEXT_CAP`` characters, past it cut, with the size and digest
     of the whole (``<name>_bytes``, ``<name>_digest``, ``<name>_cut``). A path was once kept
     whole: a files.remove of a 1,000,000-character path made an event of 3 MB."""
-    if len(text) <= TEXT_CAP and len(whole := redactor.text(text)) <= TEXT_CAP:
+    if len(text) <= TEXT_CAP and len(whole := redactor.text(plain(text))) <= TEXT_CAP:
         return {name: whole}
     kept = _kept(redactor, text)
     raw = text.encode("utf-8", "surrogatepass")
@@ -120,7 +123,7 @@ def _text(name: str, text: str, redactor: Redactor) -> dict[str, object]:
 
 def _cut(redactor: Redactor) -> Callable[[str], str]:
     """Redact, then cut: a cut first can keep a credential's prefix that no pattern knows."""
-    return lambda text: redactor.cut(text, TEXT_CAP)
+    return lambda text: redactor.cut(plain(text), TEXT_CAP)
 
 
 # How the sandbox ends a word of an exec it cut (``supervisor.rules.kept_argv``): its head, then this.
@@ -131,6 +134,7 @@ def exec_word(redactor: Redactor, word: str) -> str:
     """A word of an exec the sandbox reported, redacted: a word it cut (to ``MAX_EXEC_WORD``
     characters, before any redactor saw it) may end with the head of a credential, which
     ``Redactor.head`` holds back; the sandbox's mark stays."""
+    word = plain(word)
     mark = _WORD_CUT.search(word)
     if mark is None:
         return redactor.cut(word, TEXT_CAP)
@@ -147,21 +151,33 @@ def words_json(words: Sequence[str]) -> bytes:
 
 
 def _words(
-    name: str, words: Sequence[str], redactor: Redactor, redact: Callable[[str], str] | None = None
+    name: str,
+    words: Sequence[str],
+    redactor: Redactor,
+    redact: Callable[[str], str] | None = None,
+    *,
+    argv: bool = False,
 ) -> dict[str, object]:
     """The attributes recording a list of words under ``name``: whole up to ``TEXT_CAP``
     characters (once redacted), past it its head and tail words, the longest cut first and
     alike, and the count, size and digest of the whole. Only the words kept are redacted (a
     word redacted whole, then cut: a cut first can keep a credential's prefix); ``redact``
-    instead of ``redactor.text`` for words someone cut before (an exec's, ``exec_word``)."""
-    redact = redact or redactor.text
+    instead of ``redactor.text`` for words someone cut before (an exec's, ``exec_word``).
+    ``argv``: the words are a command's, where a credential's flag may be one word and its
+    value the next (``flag_value``)."""
+    redact = redact or (lambda word: redactor.text(plain(word)))
+
+    def one(at: int) -> str:
+        hidden = flag_value(words[at - 1], words[at]) if argv and at else None
+        return redact(words[at] if hidden is None else hidden)
+
     if sum(map(len, words)) <= TEXT_CAP:
-        whole = [redact(word) for word in words]
+        whole = [one(at) for at in range(len(words))]
         if sum(map(len, whole)) <= TEXT_CAP:
             return {name: whole}
     head = min(len(words), KEPT_WORDS)
     tail = min(len(words) - head, KEPT_WORDS)
-    chosen = [redact(word) for word in (*words[:head], *words[len(words) - tail :])]
+    chosen = [one(at) for at in (*range(head), *range(len(words) - tail, len(words)))]
     share, room = TEXT_CAP, TEXT_CAP
     for at, n in enumerate(sorted(map(len, chosen))):  # the shortest whole, the rest cut alike
         if n > room // (len(chosen) - at):
@@ -189,7 +205,7 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
     match op:
         case RunCommand():
             attributes: dict[str, object] = {
-                **_words("argv", op.argv, redactor),
+                **_words("argv", op.argv, redactor, argv=True),
                 **({"cwd": None} if op.cwd is None else _text("cwd", op.cwd, redactor)),
                 **_words("env_names", sorted(op.envs), redactor),
                 "timeout_s": op.timeout_s,
@@ -403,8 +419,10 @@ class AuditedInstance(WrapperInstance):
                 **of,
                 "call_id": self._last_call if judged.between or kind is None else current_call.get(),
                 **({"between": True} if judged.between else {}),
-                "path": self.log.redactor.cut(judged.path, TEXT_CAP),
-                **_words("argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor)),
+                "path": self.log.redactor.cut(plain(judged.path), TEXT_CAP),
+                **_words(
+                    "argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor), argv=True
+                ),
                 "verdict": judged.verdict,
                 "rule": judged.rule,
             }

@@ -213,3 +213,48 @@ def test_passwords_given_as_flags_or_in_urls_are_redacted(text: str, redacted: s
 )
 def test_ordinary_code_and_json_that_mention_credentials_are_left_alone(text: str) -> None:
     assert redact_tokens(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        ("curl -u deploy:Hx3pN8qR2v https://h", "curl -u deploy:[REDACTED:user_password] https://h"),
+        ("redis://:Hx3pN8qR2v@cache:6379/0", "redis://:[REDACTED:url_password]@cache:6379/0"),
+        ("key = sk_live_" + "51HxQ2eZvKYlo2C7q9W3e8R4", "key = [REDACTED:stripe_key]"),
+        ("rk_test_" + "51HxQ2eZvKYlo2C7q9W3e8R4", "[REDACTED:stripe_key]"),
+        ("glpat-Xq7Rk2Wm9Vn4Lp8Zt3Yb", "[REDACTED:gitlab_token]"),
+        ("HF_TOKEN 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", "HF_TOKEN [REDACTED:huggingface_token]"),
+        ("NPM_TOKEN npm_Q1w2E3r4T5y6U7i8O9p0AsDfGhJkLzXcVbNm", "NPM_TOKEN [REDACTED:npm_token]"),
+        ("db_pass=Hx3pN8qR2v", "db_pass=[REDACTED:assignment]"),
+        ("DB_PASSWORD=Hx3pN8qR2v", "DB_PASSWORD=[REDACTED:assignment]"),
+        ("'password' => 'Hx3pN8qR2v'", "'password' => '[REDACTED:assignment]'"),
+        (
+            "RuntimeError: db failed: password Zq9hunter2pass-tb",
+            "RuntimeError: db failed: password [REDACTED:spaced_password]",
+        ),
+    ],
+)
+def test_more_credential_shapes_are_redacted(text: str, redacted: str) -> None:
+    """Shapes an outside tester found written in clear (an exception's message reached the run
+    store's messages, steps and tool calls)."""
+    assert redact_tokens(text) == redacted
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "password_length = 12",
+        "def check_password(user, raw):",
+        "the password is required",
+        "reset your password now",
+        "docker run -u 1000:1000 image",
+        "sort -u names.txt",
+        "bypass=enabled compass=north",
+        "hf_hub_download(repo_id, filename)",
+        "sk_live_mode = True",
+        "npm_config_cache=/tmp/npm",
+        "a => b",
+    ],
+)
+def test_ordinary_text_near_the_new_shapes_is_left_alone(text: str) -> None:
+    assert redact_tokens(text) == text

@@ -28,12 +28,18 @@ CREDENTIALS = {
     "aws_access_key": ("AKIA", "Q7W3E9R2T5Y8U1I4"),
     "slack_token": ("xoxb-", "9876543210-AbCdEfGhIjKl"),
     "google_api_key": ("AIza", "SyQ1w2E3r4T5y6U7i8O9p0AsDfGhJkLzXcV"),
+    "stripe_key": ("sk_live_", "51HxQ2eZvKYlo2C7q9W3e8R4t6Y1u5I0"),
+    "gitlab_token": ("glpat-", "Xq7Rk2Wm9Vn4Lp8Zt3Yb"),
+    "huggingface_token": ("hf_", "QwErTyUiOpAsDfGhJkLzXcVbNmQwErTyUi"),
+    "npm_token": ("npm_", "Q1w2E3r4T5y6U7i8O9p0AsDfGhJkLzXcVbNm"),
     "jwt": ("eyJ", "hbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.Sfl2KxwRJSMeKKF2QT4fwpM"),
     "bearer": ("Authorization: Bearer ", "Zq8Wm3Xk7Vn2Bc5Lp9Rt4Yh6Gj1Df0Sa"),
     "json_assignment": ('{"password": "', "Kw7 open sesame Qx2"),
     "quoted_assignment": ("passphrase='", "Mv4 open sesame Pz8"),
     "url_password": ("https://deploy:", "Hx3pN8qR2vL6"),
     "flag": ("mysql --password ", "Tq5Wz9Lm2Rk7"),
+    "user_password": ("curl -u deploy:", "Jv8Hs3Qw6Np1"),
+    "spaced_password": ("db failed: password ", "Zq9hunter2Kx7"),
     "assignment": ("PGPASSWORD=", "Yb6Nc1Vx8Zm3"),
 }
 
