@@ -64,7 +64,9 @@ def microvm_boot_images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bo
 
 def _boot_image_name(backend: microvm.MicroVMBackend, spec: SandboxSpec) -> str:
     """The name the backend keeps ``spec``'s boot image under (``MicroVMBackend._boot_image``)."""
-    masks = _rules.plan(spec, root=backend.rootfs, can_mask=True, can_confine=True).masks
+    masks = _rules.plan(
+        spec, root=backend.rootfs, can_mask=True, can_confine=True, runs=microvm.GUEST_RUNS
+    ).masks
     return "microvm-" + backend._machine_key(spec, masks)[:32]
 
 

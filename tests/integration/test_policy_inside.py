@@ -214,6 +214,66 @@ def test_under_an_allowlist_nothing_else_runs_by_any_route(allowing: Sandbox | N
     assert allowing.commands.run("printf listed | cat").stdout == "listed"
 
 
+# The exec judge reads a path the caller can change after the answer: a link in /tmp swapped
+# (renameat2's RENAME_EXCHANGE) between a listed `ls` and the ELF loader, which Landlock lets
+# run, ran the loader on an unlisted bash (11 wins in 200 on process, 113 on docker). Every
+# try's output goes to /tmp/out; how many tries reached the loader says the race was run.
+RACED_LOADER = """
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+os.chdir("/tmp")
+os.symlink("/usr/bin/ls", "l"); os.symlink("/lib64/ld-linux-x86-64.so.2", "m")
+swapper = os.fork()
+if swapper == 0:
+    while True:
+        libc.renameat2(-100, b"l", -100, b"m", 2)
+out = os.open("/tmp/out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+deadline, tries = time.monotonic() + 20, 0
+while tries < 300 and time.monotonic() < deadline:
+    tries += 1
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out, 1); os.dup2(out, 2)
+        try:
+            os.execv("/tmp/l", ["/tmp/l", "/usr/bin/bash", "-c", "echo WIN$((6*7))"])
+        finally:
+            os._exit(127)
+    os.waitpid(pid, 0)
+os.kill(swapper, 9); os.waitpid(swapper, 0)
+text = open("/tmp/out").read()
+for name in ("l", "m", "out"):
+    os.unlink(name)
+print(tries, text.count("WIN42"), text.count("/usr/bin/bash:"))
+"""
+
+
+def test_under_an_allowlist_no_unlisted_program_runs_through_a_raced_exec_of_the_loader(tier: str) -> None:
+    """The judge cannot close a race on a path; the view can: under an allowlist the image's
+    unlisted programs are masked, so the loader a raced exec reaches has nothing to run."""
+    sbx = _rules_or_refusal(tier, SandboxRules(allow=("ls", "cat", "python3", "true")))
+    if sbx is None:  # the tier said it cannot hold the rule
+        return
+    with sbx:
+        r = sbx.run_code(RACED_LOADER, timeout_s=60)
+        assert r.error is None, r.error
+        tries, won, loaded = map(int, r.logs.stdout.split())
+        assert won == 0, (tries, won, loaded)
+        assert tries > 0
+        by_hand = sbx.run_code(
+            "import subprocess; print(subprocess.run(['/lib64/ld-linux-x86-64.so.2', '/usr/bin/bash', '-c',"
+            " 'echo WIN$((6*7))'], capture_output=True, text=True))"
+        )
+        assert "WIN42" not in by_hand.logs.stdout, by_hand.logs
+        read = sbx.run_code("print(len(open('/usr/bin/bash', 'rb').read()))")
+        assert read.error is not None or read.logs.stdout.strip() == "0"  # nothing to map
+        assert (
+            sbx.run_code(
+                "import subprocess; print(subprocess.run(['ls', '/'], capture_output=True).stdout)"
+            ).error
+            is None
+        )
+
+
 PRELOADED = r"""
 #include <unistd.h>
 __attribute__((constructor)) static void ran(void) { write(1, "RAN-A-WRITTEN-LIBRARY\n", 22); }

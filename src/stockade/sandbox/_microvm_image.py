@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _trusted
+from stockade.sandbox import _guest, _rules, _trusted
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root
 
 MiB = 1024 * 1024
@@ -36,6 +36,9 @@ MODULE_PATHS = {
 }
 PORT_NAME = "stockade"
 IMAGE_VERSION = "1"
+# Of the guest kernel's command line (2,048 bytes on x86), what the masks may take: the rest
+# holds the limits, the clock's and the console's words.
+MASK_ARGS_MAX = 1536
 
 # PID 1 of the guest until the supervisor replaces it. Reads the limits from the kernel
 # command line; a failure exits, which panics the guest kernel and ends QEMU (-no-reboot).
@@ -67,8 +70,16 @@ for w in $($B cat /proc/cmdline); do
     stockade_ws=*) ws=${w#*=};;
     stockade_tmp=*) tmp=${w#*=};;
     stockade_mask=*) masks=${w#*=};;
+    stockade_keep=*) keep=",${w#*=},";;
   esac
 done
+# Under an allowlist: every ELF program of the image (the list in /stockade/programs) but
+# those kept, masked too (the command line is too short to name hundreds).
+if [ -n "${keep:-}" ]; then
+  for p in $($B cat /stockade/programs); do
+    case "$keep" in *",$p,"*) ;; *) masks="${masks:-}${masks:+,}$p";; esac
+  done
+fi
 R=/newroot
 $B mount -t ext4 -o ro,noload,nosuid,nodev /dev/vda $R || fail "cannot mount the root image"
 # Programs the rules deny: /dev/null in their place, without its device: no read, no run.
@@ -363,6 +374,38 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
     return bytes(out)
 
 
+def image_programs(rootfs: Path) -> tuple[str, ...]:
+    """The ELF programs of the guest's image that an allowlist may mask (``_rules.elf_programs``),
+    in the order of /stockade/programs."""
+    return tuple(sorted(inside for inside, _ in _rules.elf_programs(rootfs, _rules.image_stamp(rootfs))))
+
+
+def mask_args(rootfs: Path, masks: tuple[str, ...]) -> str:
+    """The kernel command line's words for ``masks``: each named (``stockade_mask``), or, when
+    shorter, the image's programs that stay (``stockade_keep``: init masks every other one
+    of /stockade/programs). Raises ``LimitNotEnforceable`` where neither fits the command
+    line: a list cut short would leave programs unmasked, silently."""
+    if not masks:
+        return ""
+    table = image_programs(rootfs)
+    listed = set(table)
+    named = f" stockade_mask={','.join(masks)}"
+    in_table = {m for m in masks if m in listed}
+    if in_table:
+        rest = [m for m in masks if m not in listed]
+        keep = [p for p in table if p not in in_table]
+        kept = f" stockade_keep={','.join(keep)}" + (f" stockade_mask={','.join(rest)}" if rest else "")
+        named = min(named, kept, key=len)
+    if len(named) > MASK_ARGS_MAX:
+        raise exc.LimitNotEnforceable(
+            f"the microVM's kernel command line cannot hold the {len(masks)} programs to mask "
+            f"({len(named)} characters, {MASK_ARGS_MAX} at most)",
+            setting="commands",
+            fix="list fewer programs (an allowlist's globs match many), or use the process or docker tier",
+        )
+    return named
+
+
 def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) -> Path:
     """The initramfs for ``kernel`` and ``rootfs``, named after its content, built once."""
     kdir = _guest.supervisor_dir(state_dir, str(rootfs))
@@ -374,6 +417,8 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
         "bin/busybox": (0o755, Path(busybox).read_bytes()),
         "stockade/start.sh": (0o644, START.replace("ARGV", argv).encode()),
         "stockade/guestd.py": (0o644, GUESTD.encode()),
+        # The image's programs, which ``stockade_keep`` masks all but some of (``view_args``).
+        "stockade/programs": (0o644, "".join(f"{p}\n" for p in image_programs(rootfs)).encode()),
     }
     for name in MODULES:
         files[f"lib/modules/{name}.ko"] = (

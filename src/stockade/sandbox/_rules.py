@@ -42,6 +42,14 @@ IMAGE_TREES = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Changed by the package manager at every install and removal: part of an image's stamp.
 PACKAGE_STATE = ("var/lib/dpkg/info", "var/lib/rpm", "lib/apk/db")
 MULTI_CALL = execrules.MULTICALL  # one binary, many programs: denied with any of them
+# Where the supervisor looks up an allowlist's names (``rulespy.allowed_files``): the host
+# finds the same files, to leave them in the view.
+EXEC_DIRS = ("usr/local/bin", "usr/bin", "bin", "usr/sbin", "sbin")
+# The ELF loaders the supervisor lets run under an allowlist (the kernel runs one for each
+# dynamic program): never masked.
+LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux.so.2")
+# What every tier runs of the image itself: the supervisor's interpreter.
+SUPERVISOR_PROGRAMS = ("python3",)
 
 
 # How each tier holds a policy's rules from inside (its kernel may still lack them: checked
@@ -127,10 +135,18 @@ def written_noexec(spec: SandboxSpec) -> bool:
     return spec.rules is not None and bool(spec.rules.allow)
 
 
-def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: bool) -> RulesPlan:
+def plan(
+    spec: SandboxSpec,
+    *,
+    root: Path | None,
+    can_mask: bool,
+    can_confine: bool,
+    runs: tuple[str, ...] = SUPERVISOR_PROGRAMS,
+) -> RulesPlan:
     """The rules of ``spec`` for a tier: ``root`` is the image the masks are looked up in
     (None: by name only), ``can_confine`` whether the tier's kernel runs Landlock and seccomp
-    user notification at all (gVisor does not).
+    user notification at all (gVisor does not), ``runs`` the programs of the image the tier
+    itself runs in the sandbox's view (names, or paths inside): never masked.
 
     Made once per policy and tier (every sandbox of a policy gets the same plan, ~25 us of
     its start otherwise): the plan is shared, so nobody may change what it holds. It is made
@@ -146,12 +162,18 @@ def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: b
         "root": root,
         "can_mask": can_mask,
         "can_confine": can_confine,
+        "runs": runs,
         "programs": _programs_stamp(root),
     }
     try:
         return _plan(spec.rules, **key)
     except TypeError:  # rules given lists where tuples belong: no key, planned each time
         return _plan.__wrapped__(spec.rules, **key)
+
+
+def image_stamp(root: Path) -> tuple[int, ...]:
+    """The state of the image at ``root`` (``_programs_stamp``), the key of what is read of it."""
+    return _programs_stamp(root)
 
 
 def _programs_stamp(root: Path | None) -> tuple[int, ...]:
@@ -178,6 +200,7 @@ def _plan(
     root: Path | None,
     can_mask: bool,
     can_confine: bool,
+    runs: tuple[str, ...],
     programs: tuple[int, ...],  # the key only: the program folders as they were
 ) -> RulesPlan:
     """``plan``, from what of the spec it reads (hashable: the cache's key). A refusal
@@ -207,9 +230,17 @@ def _plan(
     # with no exec to judge): masked under rules over argv too, as with any denied program.
     if argv_rules:
         names = tuple(sorted({*names, *MULTI_CALL}))
-    masks = _masks(str(root) if root else "", names, programs) if can_mask and names else ()
-    if denied and (masks or can_mask):
+    denied_masks = _masks(str(root) if root else "", names, programs) if can_mask and names else ()
+    if denied and (denied_masks or can_mask):
         enforcement["programs"] = Mechanism.MASK
+    # Under an allowlist, what may not run is not in the view either: the judge reads a path
+    # the caller can change after the answer, and the loader Landlock lets run runs any file.
+    view = (
+        _allowlist_view(rules, root, runs, programs, allow_weaker=allow_weaker, weakened=weakened)
+        if can_mask
+        else ()
+    )
+    masks = tuple(sorted({*denied_masks, *view})) if view else denied_masks
     needs_kernel = write is not None or argv_rules
     if needs_kernel and not can_confine:
         what = "write rules (Landlock)" if write is not None else "command rules (seccomp user notification)"
@@ -220,7 +251,8 @@ def _plan(
                 fix="use the process, docker or microvm tier, or pass allow_weaker=True "
                 "(then the policy judges tool calls only, and masks denied programs)",
             )
-        weakened.append(f"{what}: not held by this tier's kernel; judged on tool calls only")
+        held = "; the image's unlisted programs are masked" if rules.allow and masks else ""
+        weakened.append(f"{what}: not held by this tier's kernel{held}; judged on tool calls only")
         return RulesPlan(None, masks, enforcement, tuple(weakened))
     if not can_confine:  # masks hold every rule there is
         return RulesPlan(None, masks, enforcement, tuple(weakened))
@@ -236,7 +268,9 @@ def _plan(
         "approver": approver,
         # what the masked programs are, read here before the tier masks them: the judge
         # inside can read none of them, and knows a copy brought in by this
-        "masked": masked_identities(str(root), masks, programs) if root is not None and masks else [],
+        "masked": masked_identities(str(root), denied_masks, programs)
+        if root is not None and denied_masks
+        else [],
         # STOCKADE_EXEC_JUDGE=python: every exec judged in Python (the compiled fast path off),
         # to compare the two (bench/policy_inside.py) or to rule the fast path out.
         "judge": judge,
@@ -303,6 +337,138 @@ def _words_of(raw: Any) -> tuple[str, ...]:
 
 
 # -- masks ------------------------------------------------------------------------------------
+
+
+def _allowlist_view(
+    rules: SandboxRules,
+    root: Path | None,
+    runs: tuple[str, ...],
+    stamp: tuple[int, ...],
+    *,
+    allow_weaker: bool,
+    weakened: list[str],
+) -> tuple[str, ...]:
+    """The masks that keep an allowlist's unlisted programs out of the view (``view_masks``;
+    none without an allowlist); without an image to look in, a refusal
+    (``LimitNotEnforceable``) or, with ``allow_weaker``, none (said in ``weakened``)."""
+    if not rules.allow:
+        return ()
+    if root is None or not root.is_dir():
+        what = "the image's files are not known here: its unlisted programs cannot be masked"
+        if not allow_weaker:
+            raise exc.LimitNotEnforceable(
+                f"an allowlist needs its unlisted programs out of the sandbox's view, and {what}",
+                setting="commands.allow",
+                fix="use the default image, or pass allow_weaker=True (then an unlisted program "
+                "can still run through the ELF loader, by a path changed after the exec was judged)",
+            )
+        weakened.append(f"commands.allow: {what}; the exec judge and Landlock alone hold it")
+        return ()
+    globs = tuple(sorted({words[0] for words in _words(rules.allow)}))
+    return view_masks(str(root), globs, runs, stamp)
+
+
+@functools.lru_cache(maxsize=64)
+def view_masks(
+    root: str, globs: tuple[str, ...], runs: tuple[str, ...], stamp: tuple[int, ...] = ()
+) -> tuple[str, ...]:
+    """Under an allowlist of ``globs``, every ELF program of the image at ``root`` that may not
+    run: not listed, no interpreter a listed script names, no loader, no shared library
+    (``*.so``, ``*.so.*``), none of the tier's own (``runs``). The exec judge reads a path the
+    caller can change after the answer (a link swapped, a relative path under another
+    thread's chdir), and Landlock must let the loader run: a raced exec of the loader ran
+    any program of the image it was handed. Masked, those have nothing to map: neither a
+    raced exec nor the loader run by hand can start one (files the code wrote are on
+    ``noexec`` mounts). Once per image, allowlist and state (``stamp``: the cache's key)."""
+    image = Path(root)
+    kept = allowed_programs(image, globs, runs)
+    inodes = set()
+    for inside in kept:
+        try:
+            st = os.stat(image / inside.lstrip("/"))
+        except OSError:
+            continue
+        inodes.add((st.st_dev, st.st_ino))
+    return tuple(
+        sorted(
+            inside
+            for inside, st in elf_programs(image, stamp)
+            if inside not in kept and (st.st_dev, st.st_ino) not in inodes
+        )
+    )
+
+
+def allowed_programs(root: Path, globs: tuple[str, ...], runs: tuple[str, ...] = ()) -> set[str]:
+    """The files (inside paths, links resolved in the image) an allowlist of ``globs`` lets
+    run, as the supervisor finds them (``rulespy.allowed_files``): the programs named so in
+    the program folders, the interpreters their scripts name, the loaders; and ``runs``."""
+    files: set[str] = set()
+    for folder in EXEC_DIRS:
+        try:
+            names = os.listdir(root / folder)
+        except OSError:
+            continue
+        for name in names:
+            if _named(name, list(globs)) or name in runs:
+                files.add(resolve_inside(root, f"/{folder}/{name}"))
+    files.update(resolve_inside(root, path) for path in runs if path.startswith("/"))
+    for inside in list(files):
+        try:
+            with open(root / inside.lstrip("/"), "rb") as fh:
+                head = fh.read(256)
+        except OSError:
+            continue
+        if head.startswith(b"#!"):
+            words = head[2:].split(b"\n", 1)[0].split()
+            if words:
+                files.add(resolve_inside(root, words[0].decode("utf-8", "replace")))
+    files.update(resolve_inside(root, loader) for loader in LOADERS)
+    return files
+
+
+def resolve_inside(root: Path, path: str) -> str:
+    """``path`` as the sandbox resolves it (every link followed, absolute ones from ``root``):
+    the image's links point inside the image, never at the host's files."""
+    parts = [p for p in path.split("/") if p]
+    done: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        here = root.joinpath(*done, part)
+        if here.is_symlink() and hops < 40:
+            hops += 1
+            target = os.readlink(here)
+            if target.startswith("/"):
+                done = []
+            parts = [p for p in target.split("/") if p] + parts
+            continue
+        done.append(part)
+    return "/" + "/".join(done)
+
+
+@functools.lru_cache(maxsize=8)
+def elf_programs(root: Path, stamp: tuple[int, ...] = ()) -> tuple[tuple[str, os.stat_result], ...]:
+    """The executable ELF files of the image (``image_programs``) that are no shared library
+    by their name (``*.so``, ``*.so.*``: the loader maps them for every program): (path
+    inside, stat). A script needs an interpreter, which an allowlist judges as a program."""
+    found = []
+    for name, inside, st in image_programs(root, stamp):
+        if name.endswith(".so") or ".so." in name:
+            continue
+        try:
+            with open(root / inside.lstrip("/"), "rb") as fh:
+                if fh.read(4) != b"\x7fELF":
+                    continue
+        except OSError:
+            continue
+        found.append((inside, st))
+    return tuple(found)
 
 
 @functools.lru_cache(maxsize=64)
@@ -440,7 +606,8 @@ def masked_identities(root: str, masks: tuple[str, ...], stamp: tuple[int, ...] 
 # A masked copy no sandbox has used for this long is removed (each use touches it), unless a
 # live sandbox lists it; a build left half-done by a crash, after an hour.
 MASKED_UNUSED_S = 7 * 86400
-_masked: dict[tuple[Any, ...], Path] = {}  # (folder, its identity, names) -> the masked copy
+# (folder, its identity, names) -> the masked copy, and the folders beneath as they were
+_masked: dict[tuple[Any, ...], tuple[Path, tuple[tuple[str, int, int, int], ...]]] = {}
 
 
 def masked_folders() -> Path:
@@ -470,34 +637,59 @@ def collect_masked(cache: Path, in_use: set[str], *, now: float | None = None) -
 def mask_binds(root: Path, masks: Iterable[str], cache: Path | None) -> list[tuple[str, str]]:
     """How a tier that binds files (bwrap) puts ``masks`` in place: ``(host source, inside
     path)`` pairs. Each bind costs the sandbox's start a mount, a remount and a read of the
-    mount table (about 0.3 ms each): a folder with several masked programs is bound once,
-    as a masked copy of itself (``masked_folder``); else each program is covered by
+    mount table (about 0.3 ms each): a folder with several masked programs, in it or beneath
+    it, is bound once, as a masked copy of its tree (``masked_folder``: an allowlist masks
+    hundreds of programs, /usr/lib/systemd's among them); else each program is covered by
     /dev/null (nodev: it can be neither read, nor copied, nor run)."""
+    binds: list[tuple[str, str]] = []
+    copied: list[str] = []  # folders bound as a copy: what is beneath them is in it
+    for folder, names, beneath in _by_folder(tuple(masks)):
+        if any(folder.startswith(done + "/") for done in copied):
+            continue
+        copy = masked_folder(root / folder.lstrip("/"), beneath, cache) if len(beneath) > 1 else None
+        if copy is not None:
+            binds.append((str(copy), folder))
+            copied.append(folder)
+        else:
+            binds += [("/dev/null", f"{folder}/{name}") for name in names]
+    return binds
+
+
+@functools.lru_cache(maxsize=64)
+def _by_folder(masks: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...], frozenset[str]], ...]:
+    """``masks`` by folder, in order: (folder, the names in it, the paths beneath it relative
+    to it), once per plan's masks (an allowlist's thousand, ~20 ms of each start otherwise)."""
     by_folder: dict[str, list[str]] = {}
     for path in masks:
         folder, _, name = path.rpartition("/")
         by_folder.setdefault(folder, []).append(name)
-    binds: list[tuple[str, str]] = []
-    for folder, names in sorted(by_folder.items()):
-        copy = masked_folder(root / folder.lstrip("/"), frozenset(names), cache) if len(names) > 1 else None
-        if copy is not None:
-            binds.append((str(copy), folder))
-        else:
-            binds += [("/dev/null", f"{folder}/{name}") for name in sorted(names)]
-    return binds
+    return tuple(
+        (
+            folder,
+            tuple(sorted(names)),
+            frozenset(path[len(folder) + 1 :] for path in masks if path.startswith(folder + "/")),
+        )
+        for folder, names in sorted(by_folder.items())
+    )
+
+
+# A folder whose tree holds more entries than this is not copied (its programs are bound one
+# by one): /usr/lib's tree would cost a start's walk and the cache's inodes.
+MASKED_TREE_ENTRIES = 5000
 
 
 def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Path | None:
-    """A copy of ``folder`` made of hard links (no data copied; setuid, setgid and capable
-    programs are copied without their privilege), in which each of ``names`` is an empty
-    file that only root may read: bound over the folder, it hides those programs
-    as the /dev/null binds do, in one mount. None where it cannot be made (no cache, another
-    file system, a sub-folder or a special file in the folder): then each program is bound.
+    """A copy of ``folder``'s tree made of hard links (no data copied; setuid, setgid and
+    capable programs are copied without their privilege), in which each of ``names`` (paths
+    relative to ``folder``) is an empty file that only root may read: bound over the folder,
+    it hides those programs as the /dev/null binds do, in one mount. None where it cannot
+    be made (no cache, another file system, a special file, a tree over
+    ``MASKED_TREE_ENTRIES``): then each program is bound.
 
-    Made once per host and state of the folder: the copy is named after the folder's inode
-    and modification time, which a package manager changes when it adds, removes or replaces
-    (renames over) a program, so a stale copy is never used; a file rewritten in place is
-    the same inode, seen through the link."""
+    Made once per host and state of the tree: the copy is named after the inode and
+    modification time of each of its folders, which a package manager changes when it adds,
+    removes or replaces (renames over) a file, so a stale copy is never used; a file
+    rewritten in place is the same inode, seen through the link."""
     if cache is None:
         return None
     try:
@@ -506,19 +698,54 @@ def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Pa
         return None
     key = (str(folder), st.st_dev, st.st_ino, st.st_mtime_ns, tuple(sorted(names)))
     known = _masked.get(key)
-    if known is not None and _touch(known):
-        return known
-    target = cache / ("masked-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16])
+    if known is not None and _same_folders(known[1]) and _touch(known[0]):
+        return known[0]
+    folders = _folders_beneath(folder)
+    if folders is None:
+        return None
+    target = cache / ("masked-" + hashlib.sha256(repr((key, folders)).encode()).hexdigest()[:16])
     if not target.is_dir():
         try:
             cache.mkdir(parents=True, exist_ok=True, mode=0o755)
-            _build_masked(folder, names, st.st_mode & 0o7777, cache, target)
+            _build_masked(folder, names, cache, target)
         except OSError:
             return None
     else:
         _touch(target)
-    _masked[key] = target
+    _masked[key] = (target, folders)
     return target
+
+
+def _folders_beneath(folder: Path) -> tuple[tuple[str, int, int, int], ...] | None:
+    """Each folder beneath ``folder`` (links not followed): (path, device, inode, mtime);
+    None if its tree holds more than ``MASKED_TREE_ENTRIES`` entries."""
+    found: list[tuple[str, int, int, int]] = []
+    todo, entries = [str(folder)], 0
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as listing:
+                for entry in listing:
+                    entries += 1
+                    if entries > MASKED_TREE_ENTRIES:
+                        return None
+                    if entry.is_dir(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((entry.path, st.st_dev, st.st_ino, st.st_mtime_ns))
+                        todo.append(entry.path)
+        except OSError:
+            return None
+    return tuple(sorted(found))
+
+
+def _same_folders(folders: tuple[tuple[str, int, int, int], ...]) -> bool:
+    for path, dev, ino, mtime in folders:
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        if (st.st_dev, st.st_ino, st.st_mtime_ns) != (dev, ino, mtime):
+            return False
+    return True
 
 
 # How stale a copy's time may get before a use marks it again: far below MASKED_UNUSED_S, and
@@ -540,32 +767,41 @@ def _touch(copy: Path) -> bool:
     return True
 
 
-def _build_masked(folder: Path, names: frozenset[str], mode: int, cache: Path, target: Path) -> None:
+def _build_masked(folder: Path, names: frozenset[str], cache: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".masked-", dir=cache))
     try:
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                dest = tmp / entry.name
-                if entry.name in names:
-                    os.close(os.open(dest, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0))
-                elif entry.is_symlink():
-                    os.symlink(os.readlink(entry.path), dest)
-                elif entry.is_file(follow_symlinks=False):
-                    if _privileged(entry):
-                        # Copied, without its privilege: a link would keep an old setuid or
-                        # capable program reachable here after the host upgrades it.
-                        shutil.copyfile(entry.path, dest, follow_symlinks=False)
-                        os.chmod(dest, entry.stat(follow_symlinks=False).st_mode & 0o777)
-                    else:
-                        os.link(entry.path, dest, follow_symlinks=False)
-                else:
-                    raise OSError(f"{entry.path}: a folder or special file, not linked")
-        os.chmod(tmp, mode)
+        _link_tree(folder, tmp, names, "")
         os.rename(tmp, target)  # whole or not at all: another process may build the same
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not target.is_dir():
             raise
+
+
+def _link_tree(folder: Path, dest: Path, names: frozenset[str], prefix: str) -> None:
+    """``folder``'s entries into ``dest`` (made), linked, and ``names`` (relative to the
+    copy's top: ``prefix`` is where this folder is in it) empty and unreadable."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            into = dest / entry.name
+            if prefix + entry.name in names:
+                os.close(os.open(into, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0))
+            elif entry.is_symlink():
+                os.symlink(os.readlink(entry.path), into)
+            elif entry.is_dir(follow_symlinks=False):
+                into.mkdir()
+                _link_tree(Path(entry.path), into, names, f"{prefix}{entry.name}/")
+            elif entry.is_file(follow_symlinks=False):
+                if _privileged(entry):
+                    # Copied, without its privilege: a link would keep an old setuid or
+                    # capable program reachable here after the host upgrades it.
+                    shutil.copyfile(entry.path, into, follow_symlinks=False)
+                    os.chmod(into, entry.stat(follow_symlinks=False).st_mode & 0o777)
+                else:
+                    os.link(entry.path, into, follow_symlinks=False)
+            else:
+                raise OSError(f"{entry.path}: a special file, not linked")
+    os.chmod(dest, os.stat(folder).st_mode & 0o7777)
 
 
 def _privileged(entry: os.DirEntry[str]) -> bool:

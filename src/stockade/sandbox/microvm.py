@@ -49,6 +49,7 @@ from stockade.sandbox._microvm_image import (
     clock_args,
     find_kernel,
     initramfs,
+    mask_args,
     root_image,
 )
 from stockade.sandbox._microvm_instance import GUEST_OVERHEAD_MB, SocketStream, VMBoundary, VMInstance
@@ -89,6 +90,11 @@ CTL_NAME = f"{PORT_NAME}-ctl"
 
 
 # -- the backend -----------------------------------------------------------------------------
+
+
+# What the guest runs of its image at boot (start.sh), the supervisor's python3 among them:
+# left in the view whatever an allowlist lists.
+GUEST_RUNS = ("python3", "sh", "unshare", "env", "setpriv", "nice")
 
 
 class MicroVMBackend(Backend):
@@ -257,7 +263,8 @@ class MicroVMBackend(Backend):
             f" stockade_ws={ws} stockade_tmp={tmp}"
         )
         if masks:
-            cmdline += f" stockade_mask={','.join(masks)}"
+            assert self.rootfs is not None  # masks are looked up in it
+            cmdline += mask_args(self.rootfs, masks)
         if spec.network.egress:  # the guest waits for its egress port (see _argv)
             cmdline += " stockade_egress=1"
         return cmdline
@@ -473,7 +480,7 @@ class MicroVMBackend(Backend):
         ):
             return self._restore(spec)
         enforcement = self._plan(spec)
-        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True, runs=GUEST_RUNS)
         # With an allowlist too: an image's guest has an egress port with nothing behind it,
         # and gets the sandbox's proxy when it becomes the sandbox (``_attach_egress``).
         boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
@@ -543,7 +550,7 @@ class MicroVMBackend(Backend):
         (an image that cannot be built here; the starts stay correct, only slower)."""
         self._check()
         enforcement = self._plan(spec)
-        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True, runs=GUEST_RUNS)
         boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
         if boot is None:
             return "cold boot"

@@ -590,7 +590,8 @@ class ProcessBackend(Backend):
         walled = enforcement.network is Mechanism.FIREWALL
         if walled:  # before anything is made: refused (LimitNotEnforceable) if they cannot be
             _netfull.ensure_uid_rules()
-        rules = _rules.plan(spec, root=self.rootfs or Path("/"), can_mask=True, can_confine=True)
+        root = self.rootfs or Path("/")
+        rules = _rules.plan(spec, root=root, can_mask=True, can_confine=True, runs=(self.python,))
         self._prepare(judge=rules.config is not None)
         sid = sandbox_id(spec)
         rundir = _claim_rundir(self.state_dir, sid)

@@ -57,7 +57,7 @@ def test_without_a_copy_each_program_is_covered_by_dev_null(folder: Path, tmp_pa
     masks = ["/usr/bin/curl", "/usr/bin/wget"]
     expected = [("/dev/null", "/usr/bin/curl"), ("/dev/null", "/usr/bin/wget")]
     assert _rules.mask_binds(tmp_path, masks, None) == expected  # no cache (not root)
-    (folder / "sub").mkdir()  # a folder cannot be linked: no copy
+    os.mkfifo(folder / "fifo")  # a special file cannot be linked: no copy
     assert _rules.mask_binds(tmp_path, masks, tmp_path / "cache") == expected
     alone = _rules.mask_binds(tmp_path, ["/usr/bin/curl"], tmp_path / "cache")
     assert alone == [("/dev/null", "/usr/bin/curl")]  # one mask: its own bind costs the same
@@ -80,3 +80,23 @@ def test_copies_unused_for_a_week_go_unless_a_live_sandbox_binds_them(folder: Pa
     assert listed.is_dir() and recent.is_dir()  # a live sandbox binds one; the other was used lately
     again = _rules.masked_folder(folder, frozenset({"curl", "ls"}), cache)
     assert again == listed and time.time() - listed.stat().st_mtime < 60  # each use touches it
+
+
+def test_a_folders_tree_is_one_copy_that_masks_what_is_beneath_it_too(folder: Path, tmp_path: Path) -> None:
+    # an allowlist masks hundreds of programs, in folders with folders (/usr/lib/systemd,
+    # /usr/lib/apt and its methods): a bind each cost a start ~0.3 ms
+    methods = folder / "methods"
+    methods.mkdir()
+    (methods / "http").write_bytes(b"\x7fELF http")
+    os.chmod(methods / "http", 0o755)
+    (methods / "README").write_text("no program")
+    masks = ["/usr/bin/curl", "/usr/bin/methods/http"]
+    binds = _rules.mask_binds(tmp_path, masks, tmp_path / "cache")
+    assert [inside for _, inside in binds] == ["/usr/bin"]
+    copy = Path(binds[0][0])
+    assert os.stat(copy / "methods" / "http").st_size == 0
+    assert os.stat(copy / "methods" / "README").st_ino == os.stat(methods / "README").st_ino
+    (methods / "new").write_bytes(b"new")
+    os.utime(methods, ns=(1, 1))  # a folder beneath changed: a new copy
+    again = _rules.mask_binds(tmp_path, masks, tmp_path / "cache")
+    assert again != binds and (Path(again[0][0]) / "methods" / "new").exists()

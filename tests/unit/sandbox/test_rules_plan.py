@@ -112,3 +112,53 @@ def test_command_patterns_are_checked_as_a_policy_files_are(rules: dict[str, obj
         SandboxRules(**rules)  # type: ignore[arg-type]
     assert refused.value.argument.startswith("SandboxRules.")
     assert SandboxRules(deny=["curl", "git push"]).deny == ("curl", "git push")  # type: ignore[arg-type]
+
+
+def _image(root: Path, files: dict[str, bytes]) -> None:
+    for path, content in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(content)
+        (root / path).chmod(0o755)
+
+
+def test_under_an_allowlist_no_unlisted_program_of_the_image_is_in_the_view(tmp_path: Path) -> None:
+    # The exec judge reads a path the caller can change after the answer (a link swapped
+    # from ls to the loader), and the loader runs whatever it is handed: an unlisted bash ran.
+    # What may not run is masked, wherever it is in the image: nothing is left to map.
+    _image(
+        tmp_path,
+        {
+            "usr/bin/ls": b"\x7fELF ls",
+            "usr/bin/cat": b"\x7fELF cat",
+            "usr/bin/bash": b"\x7fELF bash",
+            "usr/bin/ldd": b"#!/bin/bash\necho a script",
+            "usr/bin/python3.11": b"\x7fELF python",  # the supervisor's: never masked
+            "usr/lib/apt/methods/http": b"\x7fELF apt's http method",
+            "usr/lib/x86_64-linux-gnu/libc.so.6": b"\x7fELF libc",  # a library: mapped by all
+            "usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2": b"\x7fELF the loader",
+        },
+    )
+    (tmp_path / "usr" / "bin" / "python3").symlink_to("python3.11")
+    (tmp_path / "bin").symlink_to("usr/bin")
+    (tmp_path / "lib64").mkdir()
+    (tmp_path / "lib64" / "ld-linux-x86-64.so.2").symlink_to("/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2")
+    listed = _rules.plan(
+        SandboxSpec(rules=SandboxRules(allow=("ls",))), root=tmp_path, can_mask=True, can_confine=True
+    )
+    assert listed.masks == ("/usr/bin/bash", "/usr/bin/cat", "/usr/lib/apt/methods/http")
+    assert listed.config is not None and listed.config["masked"] == []  # a denied program's copies only
+    # a listed script's interpreter runs it: in the view
+    script = _rules.plan(
+        SandboxSpec(rules=SandboxRules(allow=("l?", "ldd"))), root=tmp_path, can_mask=True, can_confine=True
+    )
+    assert script.masks == ("/usr/bin/cat", "/usr/lib/apt/methods/http")
+
+
+def test_an_allowlist_without_the_image_to_look_in_is_refused_unless_weaker() -> None:
+    spec = SandboxSpec(rules=SandboxRules(allow=("ls",)))
+    with pytest.raises(exc.LimitNotEnforceable) as refused:
+        plan(spec)
+    assert refused.value.setting == "commands.allow"
+    weaker = plan(SandboxSpec(rules=SandboxRules(allow=("ls",)), allow_weaker=True))
+    assert "/usr/bin/bash" not in weaker.masks  # by name only: the multi-call binaries
+    assert any(w.startswith("commands.allow") for w in weaker.weakened)
