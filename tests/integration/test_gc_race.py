@@ -246,3 +246,14 @@ def test_the_other_tiers_gc_spares_a_folder_its_creator_holds_before_it_names_th
     creators[0].stop()
     _tier_gc(tier)
     assert not folder.exists()
+
+
+def test_gc_removes_a_previous_versions_build_a_week_unused(tmp_path: Path) -> None:
+    # Each upgrade left its shared folder (and supervisor folders, initramfs) in the state
+    # folder, on tmpfs for root: host memory until a reboot.
+    old = tmp_path / "shared-0123456789abcdef"
+    (old / "etc").mkdir(parents=True)
+    week_ago = time.time() - 8 * 86400
+    os.utime(old, (week_ago, week_ago))
+    assert "build shared-0123456789abcdef" in collect_garbage(tmp_path)
+    assert not old.exists()

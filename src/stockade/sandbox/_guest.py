@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _host, _trusted
+from stockade.sandbox import _builds, _host, _trusted
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary
@@ -153,7 +153,7 @@ def supervisor_dir(state_dir: Path, python: str) -> Path:
     # Checked at every use, cached or not: were the state folder removed, another user could
     # make one of the same name (in /tmp) with their own boot.py, run first in every container.
     known = _supervisor_dirs.get((state_dir, python))
-    if known is not None and _trusted.check(known).is_dir():
+    if known is not None and _trusted.check(known).is_dir() and _builds.touch(known):
         return known
     blobs = supervisor_sources()
     blobs["boot.py"] = BOOT.encode()
@@ -161,7 +161,7 @@ def supervisor_dir(state_dir: Path, python: str) -> Path:
     content = b"".join(blobs[n] for n in sorted(blobs)) + python.encode()
     digest = hashlib.sha256(content).hexdigest()[:16]
     target = _trusted.check(state_dir / f"supervisor-{digest}")
-    if target.is_dir():
+    if target.is_dir() and _builds.touch(target):
         _supervisor_dirs[(state_dir, python)] = target
         return target
     tmp = Path(tempfile.mkdtemp(prefix=".supervisor-", dir=_trusted.folder(state_dir, 0o711)))
@@ -175,6 +175,7 @@ def supervisor_dir(state_dir: Path, python: str) -> Path:
         for name in blobs:
             (tmp / name).unlink(missing_ok=True)
         tmp.rmdir()
+    _builds.touch(target)  # this process's now: its own collection spares it
     _supervisor_dirs[(state_dir, python)] = target
     return target
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _rules, _trusted
+from stockade.sandbox import _builds, _guest, _rules, _trusted
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root
 
 MiB = 1024 * 1024
@@ -440,7 +440,7 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
         )
     ).hexdigest()[:16]
     target = _trusted.check(state_dir / f"microvm-initrd-{digest}.cpio")
-    if target.is_file():
+    if target.is_file() and _builds.touch(target):
         return target
     dirs = sorted({str(Path(n).parent) for n in files} | {"dev", "proc", "sys", "newroot", "bin", "lib"})
     entries: list[tuple[str, int, bytes]] = []
@@ -456,6 +456,7 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
         fh.write(_cpio(entries))
     os.chmod(tmp, 0o644)
     os.replace(tmp, target)
+    _builds.touch(target)  # this process's now: its own collection spares it
     return target
 
 

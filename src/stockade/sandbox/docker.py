@@ -33,7 +33,7 @@ from typing import Any
 
 from stockade import _exit
 from stockade import exceptions as exc
-from stockade.sandbox import _filetable, _guest, _host, _netfull, _rules, _thrash
+from stockade.sandbox import _builds, _filetable, _guest, _host, _netfull, _rules, _thrash
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._cgroups import tcp_buffer_bytes
 from stockade.sandbox._docker_engine import (
@@ -726,7 +726,7 @@ class DockerBackend(Backend):
         per backend: no engine round trip on the start path (a tag moved meanwhile is seen
         by the next backend).
         """
-        if self._supervisor_source is not None and self._supervisor_source[0].is_dir():
+        if self._supervisor_source is not None and _builds.touch(self._supervisor_source[0]):
             return self._supervisor_source[1]
         with mapped_engine_errors(self.image, self.runtime):
             image_id = str(api.inspect_image(self.image)["Id"])

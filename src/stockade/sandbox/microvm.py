@@ -39,7 +39,7 @@ from typing import Any
 
 from stockade import _exit
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _guest, _host, _rules, _trusted
+from stockade.sandbox import _builds, _cgroups, _guest, _host, _rules, _trusted
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._lasting import spawn
 from stockade.sandbox._microvm_ahead import GuestOrder, StartedAhead, Waiting
@@ -233,7 +233,11 @@ class MicroVMBackend(Backend):
         self._check()
         with self._lock:
             # Checked again at each start: no other user's to swap since (~15 us each).
-            if self._prepared is None or not all(_trusted.check(p).is_file() for p in self._prepared):
+            if (
+                self._prepared is None
+                or not all(_trusted.check(p).is_file() for p in self._prepared)
+                or not _builds.touch(self._prepared[1])  # the initramfs, used: gc keeps it
+            ):
                 assert self.rootfs is not None and self.kernel is not None
                 if not self._collected:
                     self._collected = True

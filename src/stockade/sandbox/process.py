@@ -34,6 +34,7 @@ from typing import Literal
 from stockade import _exit
 from stockade import exceptions as exc
 from stockade.sandbox import (
+    _builds,
     _cgroups,
     _filetable,
     _launch,
@@ -411,6 +412,7 @@ class ProcessBackend(Backend):
             and host_etc == self._host_etc
             and (self._judge_asked or not judge)
             and _trusted.check(self._shared / "complete").exists()  # no other user's since (~15 us)
+            and _builds.touch(self._shared)  # used: gc keeps it
         ):
             return
         if not self._prepared:  # once per process: a host /etc file changing needs no collection
@@ -438,6 +440,7 @@ class ProcessBackend(Backend):
         shared = self.state_dir / f"shared-{digest}"
         if not (shared / "complete").exists():
             self._build_shared(shared, sources, etc_files, host_etc)
+        _builds.touch(shared)
         self._shared = shared
         self._host_etc = host_etc
         self._prepared = True
@@ -1193,10 +1196,7 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
             shutil.rmtree(rundir, ignore_errors=True)
             removed.append(f"process sandbox {rundir.name}")
         collect_uid_leases(base)
-        for partial in base.glob(".shared-*"):  # a build interrupted by a crash
-            with contextlib.suppress(FileNotFoundError):  # or renamed into place meanwhile
-                if time.time() - partial.stat().st_mtime > 3600:
-                    shutil.rmtree(partial, ignore_errors=True)
+        removed += _builds.collect(base)  # after the dead sandboxes' folders: what they used may go
     removed += _cgroups.collect("sbx-", lambda name: (base / name).exists(), dead.__contains__)
     if os.geteuid() == 0:
         removed += _rules.collect_masked(_rules.masked_folders(), in_use)
