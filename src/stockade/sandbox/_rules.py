@@ -20,7 +20,8 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -606,8 +607,29 @@ def masked_identities(root: str, masks: tuple[str, ...], stamp: tuple[int, ...] 
 # A masked copy no sandbox has used for this long is removed (each use touches it), unless a
 # live sandbox lists it; a build left half-done by a crash, after an hour.
 MASKED_UNUSED_S = 7 * 86400
-# (folder, its identity, names) -> the masked copy, and the folders beneath as they were
-_masked: dict[tuple[Any, ...], tuple[Path, tuple[tuple[str, int, int, int], ...]]] = {}
+# The cache's budget, held when a copy is built. Each distinct set of masks in a folder is a
+# copy (an allowlist's, up to ~40), so without one a host running many policies grew by a
+# copy of /usr/bin and more per policy, for a week. Each copy costs at least a folder
+# (a 4 KiB block and an inode): 1,000 of them, ~4 MiB.
+MASKED_COPIES_MAX = 1000
+# Each entry is a name in a folder of the copy (~40 bytes) and each masked one an inode too:
+# 250,000 of them, some 25 MiB at most.
+MASKED_ENTRIES_MAX = 250_000
+# (folder, its identity, names) -> the masked copy, and the folders beneath as they were; the
+# latest MASKED_COPIES_MAX used, as the cache holds no more.
+_masked: OrderedDict[tuple[Any, ...], tuple[Path, tuple[tuple[str, int, int, int], ...]]] = OrderedDict()
+
+
+@dataclass(frozen=True)
+class MaskCache:
+    """Where masked copies are kept (``folder``), what live sandboxes bind of them
+    (``in_use``: the copies' paths, asked only when one must go to make room) and how many
+    copies and entries it may hold."""
+
+    folder: Path
+    in_use: Callable[[], Collection[str]]
+    copies: int = MASKED_COPIES_MAX
+    entries: int = MASKED_ENTRIES_MAX
 
 
 def masked_folders() -> Path:
@@ -619,28 +641,103 @@ def masked_folders() -> Path:
 
 def collect_masked(cache: Path, in_use: set[str], *, now: float | None = None) -> list[str]:
     """Remove the masked copies in ``cache`` unused for ``MASKED_UNUSED_S`` that no live
-    sandbox lists in ``in_use`` (removing one in use would empty a folder under a sandbox)."""
+    sandbox lists in ``in_use`` (removing one in use would empty a folder under a sandbox),
+    and the stripped programs no copy links any more."""
     now = time.time() if now is None else now
     removed: list[str] = []
-    for kind, age in (("masked-", MASKED_UNUSED_S), (".masked-", 3600.0)):
-        for copy in cache.glob(kind + "*"):
-            try:
-                idle = now - copy.stat().st_mtime
-            except OSError:
-                continue
-            if idle > age and str(copy) not in in_use:
-                shutil.rmtree(copy, ignore_errors=True)
-                removed.append(f"masked copy {copy.name}")
+    for copy, used, _ in _copies(cache):
+        if (
+            now - used > MASKED_UNUSED_S
+            and str(copy) not in in_use
+            and _remove_copy(copy, now - MASKED_UNUSED_S)
+        ):
+            removed.append(f"masked copy {copy.name}")
+    for left in (*cache.glob(".masked-*"), *cache.glob(".stripped-*"), *cache.glob("stripped-*")):
+        try:
+            st = left.lstat()
+        except OSError:
+            continue
+        # a build left half-done, or a stripped program no copy links any more (its only link)
+        done = left.name.startswith("stripped-")
+        if now - st.st_mtime > 3600.0 and (not done or st.st_nlink == 1):
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                left.unlink(missing_ok=True)
+            removed.append(f"masked copy {left.name}")
     return removed
 
 
-def mask_binds(root: Path, masks: Iterable[str], cache: Path | None) -> list[tuple[str, str]]:
+def _copies(cache: Path) -> list[tuple[Path, float, int]]:
+    """The masked copies in ``cache``: (path, last used, entries), least lately used first."""
+    found = []
+    for copy in cache.glob("masked-*"):
+        try:
+            used = copy.stat().st_mtime
+        except OSError:
+            continue
+        # a copy's entries are in its name; one named before that counts as the most there can be
+        named = _COPY_NAME.fullmatch(copy.name)
+        found.append((copy, used, int(named[1]) if named else MASKED_TREE_ENTRIES))
+    return sorted(found, key=lambda c: c[1])
+
+
+_COPY_NAME = re.compile(r"masked-[0-9a-f]{16}-([0-9]{1,9})")
+
+
+def _remove_copy(copy: Path, used_before: float) -> bool:
+    """Remove ``copy`` unless a use touched it since ``used_before``: renamed aside first, so
+    that a use from now on finds it gone (``_touch`` fails, and it is built again), then its
+    time read again, for a use that touched it between."""
+    aside = copy.with_name(f".masked-removing-{copy.name}-{os.getpid()}")
+    try:
+        os.rename(copy, aside)
+    except OSError:
+        return False  # another removed it, or is removing it
+    try:
+        if aside.stat().st_mtime > used_before:
+            os.rename(aside, copy)  # in use after all
+            return False
+    except OSError:
+        pass  # built again while it was aside: the new one stays
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
+# A copy is evicted to make room only when unused for longer than this: a use in the last
+# TOUCH_EVERY_S may not have touched it, and a sandbox lists what it binds only after it got
+# the copy (the extra ten minutes: a start held up between the two).
+EVICTABLE_IDLE_S = 3600.0 + 600.0
+
+
+def _make_room(cache: MaskCache, entries: int) -> bool:
+    """Whether a copy of ``entries`` entries fits in ``cache``'s budget, once the copies least
+    lately used, unused for ``EVICTABLE_IDLE_S`` and bound by no live sandbox, are removed
+    (removing one bound would empty a folder under a sandbox)."""
+    copies = _copies(cache.folder)
+    count, total = len(copies), sum(weight for _, _, weight in copies)
+    if count < cache.copies and total + entries <= cache.entries:
+        return True
+    in_use = set(cache.in_use())
+    cutoff = time.time() - EVICTABLE_IDLE_S
+    for copy, used, weight in copies:
+        if used > cutoff:
+            return False  # the rest were used later
+        if str(copy) not in in_use and _remove_copy(copy, cutoff):
+            count, total = count - 1, total - weight
+            if count < cache.copies and total + entries <= cache.entries:
+                return True
+    return False
+
+
+def mask_binds(root: Path, masks: Iterable[str], cache: MaskCache | None) -> list[tuple[str, str]]:
     """How a tier that binds files (bwrap) puts ``masks`` in place: ``(host source, inside
     path)`` pairs. Each bind costs the sandbox's start a mount, a remount and a read of the
     mount table (about 0.3 ms each): a folder with several masked programs, in it or beneath
     it, is bound once, as a masked copy of its tree (``masked_folder``: an allowlist masks
     hundreds of programs, /usr/lib/systemd's among them); else each program is covered by
-    /dev/null (nodev: it can be neither read, nor copied, nor run)."""
+    /dev/null (nodev: it can be neither read, nor copied, nor run): so too where the cache
+    is full of copies in use."""
     binds: list[tuple[str, str]] = []
     copied: list[str] = []  # folders bound as a copy: what is beneath them is in it
     for folder, names, beneath in _by_folder(tuple(masks)):
@@ -678,13 +775,14 @@ def _by_folder(masks: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...], froz
 MASKED_TREE_ENTRIES = 5000
 
 
-def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Path | None:
+def masked_folder(folder: Path, names: frozenset[str], cache: MaskCache | None) -> Path | None:
     """A copy of ``folder``'s tree made of hard links (no data copied; setuid, setgid and
-    capable programs are copied without their privilege), in which each of ``names`` (paths
+    capable programs are one copy without their privilege, shared), in which each of ``names`` (paths
     relative to ``folder``) is an empty file that only root may read: bound over the folder,
     it hides those programs as the /dev/null binds do, in one mount. None where it cannot
     be made (no cache, another file system, a special file, a tree over
-    ``MASKED_TREE_ENTRIES``): then each program is bound.
+    ``MASKED_TREE_ENTRIES``, a cache over its budget with every copy used lately): then
+    each program is bound.
 
     Made once per host and state of the tree: the copy is named after the inode and
     modification time of each of its folders, which a package manager changes when it adds,
@@ -699,26 +797,32 @@ def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Pa
     key = (str(folder), st.st_dev, st.st_ino, st.st_mtime_ns, tuple(sorted(names)))
     known = _masked.get(key)
     if known is not None and _same_folders(known[1]) and _touch(known[0]):
+        _masked.move_to_end(key)
         return known[0]
-    folders = _folders_beneath(folder)
-    if folders is None:
+    tree = _folders_beneath(folder)
+    if tree is None:
         return None
-    target = cache / ("masked-" + hashlib.sha256(repr((key, folders)).encode()).hexdigest()[:16])
-    if not target.is_dir():
+    folders, entries = tree
+    name = hashlib.sha256(repr((key, folders)).encode()).hexdigest()[:16]
+    target = cache.folder / f"masked-{name}-{entries}"
+    if not _touch(target):  # not there: built, if the budget has room
         try:
-            cache.mkdir(parents=True, exist_ok=True, mode=0o755)
-            _build_masked(folder, names, cache, target)
+            cache.folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+            if not _make_room(cache, entries):
+                return None
+            _build_masked(folder, names, cache.folder, target)
         except OSError:
             return None
-    else:
-        _touch(target)
     _masked[key] = (target, folders)
+    _masked.move_to_end(key)
+    while len(_masked) > MASKED_COPIES_MAX:
+        _masked.popitem(last=False)
     return target
 
 
-def _folders_beneath(folder: Path) -> tuple[tuple[str, int, int, int], ...] | None:
-    """Each folder beneath ``folder`` (links not followed): (path, device, inode, mtime);
-    None if its tree holds more than ``MASKED_TREE_ENTRIES`` entries."""
+def _folders_beneath(folder: Path) -> tuple[tuple[tuple[str, int, int, int], ...], int] | None:
+    """Each folder beneath ``folder`` (links not followed): (path, device, inode, mtime), and
+    how many entries its tree holds; None if more than ``MASKED_TREE_ENTRIES``."""
     found: list[tuple[str, int, int, int]] = []
     todo, entries = [str(folder)], 0
     while todo:
@@ -734,7 +838,7 @@ def _folders_beneath(folder: Path) -> tuple[tuple[str, int, int, int], ...] | No
                         todo.append(entry.path)
         except OSError:
             return None
-    return tuple(sorted(found))
+    return tuple(sorted(found)), entries
 
 
 def _same_folders(folders: tuple[tuple[str, int, int, int], ...]) -> bool:
@@ -770,7 +874,7 @@ def _touch(copy: Path) -> bool:
 def _build_masked(folder: Path, names: frozenset[str], cache: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".masked-", dir=cache))
     try:
-        _link_tree(folder, tmp, names, "")
+        _link_tree(folder, tmp, names, "", cache)
         os.rename(tmp, target)  # whole or not at all: another process may build the same
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -778,7 +882,7 @@ def _build_masked(folder: Path, names: frozenset[str], cache: Path, target: Path
             raise
 
 
-def _link_tree(folder: Path, dest: Path, names: frozenset[str], prefix: str) -> None:
+def _link_tree(folder: Path, dest: Path, names: frozenset[str], prefix: str, cache: Path) -> None:
     """``folder``'s entries into ``dest`` (made), linked, and ``names`` (relative to the
     copy's top: ``prefix`` is where this folder is in it) empty and unreadable."""
     with os.scandir(folder) as entries:
@@ -790,15 +894,10 @@ def _link_tree(folder: Path, dest: Path, names: frozenset[str], prefix: str) -> 
                 os.symlink(os.readlink(entry.path), into)
             elif entry.is_dir(follow_symlinks=False):
                 into.mkdir()
-                _link_tree(Path(entry.path), into, names, f"{prefix}{entry.name}/")
+                _link_tree(Path(entry.path), into, names, f"{prefix}{entry.name}/", cache)
             elif entry.is_file(follow_symlinks=False):
-                if _privileged(entry):
-                    # Copied, without its privilege: a link would keep an old setuid or
-                    # capable program reachable here after the host upgrades it.
-                    shutil.copyfile(entry.path, into, follow_symlinks=False)
-                    os.chmod(into, entry.stat(follow_symlinks=False).st_mode & 0o777)
-                else:
-                    os.link(entry.path, into, follow_symlinks=False)
+                source = _stripped(entry, cache) if _privileged(entry) else entry.path
+                os.link(source, into, follow_symlinks=False)
             else:
                 raise OSError(f"{entry.path}: a special file, not linked")
     os.chmod(dest, os.stat(folder).st_mode & 0o7777)
@@ -813,3 +912,24 @@ def _privileged(entry: os.DirEntry[str]) -> bool:
     except OSError:
         return False
     return True
+
+
+def _stripped(entry: os.DirEntry[str], cache: Path) -> Path:
+    """A copy of the privileged program ``entry`` without its privilege, in ``cache``, that
+    every masked copy links: a link to the program itself would keep an old setuid or
+    capable program reachable there after the host upgrades it, and a copy in each masked
+    copy cost a host's /usr/bin ~1 MB a copy. Named after the program's inode and change
+    time (an upgrade or a chmod makes another); removed once no copy links it."""
+    st = entry.stat(follow_symlinks=False)
+    path = cache / f"stripped-{st.st_dev}-{st.st_ino}-{st.st_ctime_ns}"
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(prefix=".stripped-", dir=cache)
+        os.close(fd)
+        try:
+            shutil.copyfile(entry.path, tmp, follow_symlinks=False)
+            os.chmod(tmp, st.st_mode & 0o777)
+            os.rename(tmp, path)  # whole or not at all; another build's is the same
+        except OSError:
+            os.unlink(tmp)
+            raise
+    return path

@@ -489,8 +489,8 @@ class ProcessBackend(Backend):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _mask_options(self, root: Path, masks: tuple[str, ...], rundir: Path) -> list[str]:
-        cache = _rules.masked_folders() if self.is_root else None
-        binds = _rules.mask_binds(root, masks, cache)
+        cache = _rules.MaskCache(_rules.masked_folders(), functools.partial(masks_in_use, self.state_dir))
+        binds = _rules.mask_binds(root, masks, cache if self.is_root else None)
         copies = [source for source, _ in binds if source != "/dev/null"]
         if copies:  # the copies this sandbox binds: garbage collection keeps them
             _write_new(rundir / MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
@@ -1175,6 +1175,16 @@ def _abandoned(rundir: Path, grace_s: float) -> bool:
         return time.time() - rundir.stat().st_mtime > grace_s
     except OSError:
         return False
+
+
+def masks_in_use(state_dir: Path) -> set[str]:
+    """The masked copies the sandboxes of ``state_dir`` bind (the ones gone too, until
+    ``collect_garbage`` removes their folders)."""
+    in_use: set[str] = set()
+    for rundir in state_dir.glob("sbx-*"):
+        with contextlib.suppress(OSError):
+            in_use.update((rundir / MASKS_FILE).read_text().split())
+    return in_use
 
 
 def collect_garbage(state_dir: Path | None = None) -> list[str]:
