@@ -40,6 +40,28 @@ IMAGE_VERSION = "1"
 # holds the limits, the clock's and the console's words.
 MASK_ARGS_MAX = 1536
 
+# The guest's masks, at boot, chrooted in the root image: argv[1] the paths to mask (commas),
+# argv[2] "-", or the programs of /stockade/programs (stdin) that stay, after a comma: every
+# other one is masked too. Each is /dev/null bound in its place, then remounted read-only
+# without devices or execution (MS_BIND; MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NODEV |
+# MS_NOEXEC), as `mount -o bind` then `mount -o remount,bind,ro,nodev,noexec` did. A path
+# that is not a file of the image is passed over; any other failure fails the boot: never a
+# program left in the view.
+MASKER = """\
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+paths = [p for p in sys.argv[1].split(",") if p]
+if sys.argv[2] != "-":
+    kept = set(sys.argv[2].split(","))
+    paths += [p for p in sys.stdin.read().split() if p not in kept]
+for p in paths:
+    if not os.path.isfile(p):
+        continue
+    for flags in (4096, 32 | 4096 | 1 | 4 | 8):
+        if libc.mount(b"/dev/null", p.encode(), None, flags, None) != 0:
+            sys.exit(f"stockade-init: mask {p}: {os.strerror(ctypes.get_errno())}")
+"""
+
 # PID 1 of the guest until the supervisor replaces it. Reads the limits from the kernel
 # command line; a failure exits, which panics the guest kernel and ends QEMU (-no-reboot).
 INIT = """\
@@ -70,23 +92,22 @@ for w in $($B cat /proc/cmdline); do
     stockade_ws=*) ws=${w#*=};;
     stockade_tmp=*) tmp=${w#*=};;
     stockade_mask=*) masks=${w#*=};;
-    stockade_keep=*) keep=",${w#*=},";;
+    stockade_keep=*) keep=",${w#*=}";;
   esac
 done
-# Under an allowlist: every ELF program of the image (the list in /stockade/programs) but
-# those kept, masked too (the command line is too short to name hundreds).
-if [ -n "${keep:-}" ]; then
-  for p in $($B cat /stockade/programs); do
-    case "$keep" in *",$p,"*) ;; *) masks="${masks:-}${masks:+,}$p";; esac
-  done
-fi
 R=/newroot
 $B mount -t ext4 -o ro,noload,nosuid,nodev /dev/vda $R || fail "cannot mount the root image"
-# Programs the rules deny: /dev/null in their place, without its device: no read, no run.
-for p in $(echo "${masks:-}" | $B tr , ' '); do
-  [ -f "$R$p" ] || continue
-  $B mount -o bind /dev/null "$R$p" && $B mount -o remount,bind,ro,nodev,noexec "$R$p" || fail "mask $p"
-done
+# Programs the rules deny, and under an allowlist every ELF program of the image (the list
+# in /stockade/programs) but those kept: /dev/null in their place, without its device: no
+# read, no run. All in one process (the image's python, the masker), with the guest's /dev lent
+# for the bind's source: two busybox mounts for each of an allowlist's ~300 masks took 6-20 s
+# of the boot under TCG.
+if [ -n "${masks:-}${keep:-}" ]; then
+  $B mount -o bind /dev $R/dev || fail "masks: /dev"
+  $B chroot $R /usr/bin/python3 -S -I -c MASKER "${masks:-}" "${keep:--}" </stockade/programs \\
+    2>/dev/console || fail "masks"
+  $B umount $R/dev || fail "masks: /dev"
+fi
 o=nosuid,nodev,mode=755,uid=1000,gid=1000
 $B mount -t tmpfs -o $o,size=${ws%:*},nr_inodes=${ws#*:} ws $R/workspace || fail "workspace"
 $B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 tmp $R/tmp || fail "tmp"
@@ -406,6 +427,12 @@ def mask_args(rootfs: Path, masks: tuple[str, ...]) -> str:
     return named
 
 
+def init_script() -> str:
+    """The guest's init (``INIT``), its words filled in."""
+    text = INIT.replace("MODULES", " ".join(MODULES)).replace("PORT", PORT_NAME)
+    return text.replace("MASKER", shlex.quote(MASKER))
+
+
 def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) -> Path:
     """The initramfs for ``kernel`` and ``rootfs``, named after its content, built once."""
     kdir = _guest.supervisor_dir(state_dir, str(rootfs))
@@ -413,7 +440,7 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
         _compile(kdir, rootfs)
     argv = " ".join(shlex.quote(a) for a in _guest.SUPERVISOR_ARGV)
     files: dict[str, tuple[int, bytes]] = {
-        "init": (0o755, INIT.replace("MODULES", " ".join(MODULES)).replace("PORT", PORT_NAME).encode()),
+        "init": (0o755, init_script().encode()),
         "bin/busybox": (0o755, Path(busybox).read_bytes()),
         "stockade/start.sh": (0o644, START.replace("ARGV", argv).encode()),
         "stockade/guestd.py": (0o644, GUESTD.encode()),
