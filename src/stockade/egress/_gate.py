@@ -364,7 +364,7 @@ class Forms:
 
     @classmethod
     def of(cls, forms: Iterable[bytes]) -> Forms:
-        return cls(tuple(sorted({f.lower() for f in forms if f}, key=len, reverse=True)))
+        return cls(tuple(sorted({c.lower() for f in forms if f for c in _cases(f)}, key=len, reverse=True)))
 
     @property
     def longest(self) -> int:
@@ -396,6 +396,19 @@ class Forms:
 
     def scrub(self, data: bytes) -> bytes:
         return redacted(data, self.runs(data))
+
+
+def _cases(form: bytes) -> set[bytes]:
+    """``form``, and where it is UTF-8 text beyond ASCII its upper, lower and casefolded
+    spellings: the scan lowers ASCII letters only (every byte stays where it was), and a
+    server that echoed ``tok-Grüße`` upper-cased sent ``TOK-GRÜSSE``."""
+    try:
+        text = form.decode()
+    except UnicodeDecodeError:
+        return {form}
+    if text.isascii():
+        return {form}
+    return {form, *(spelled.encode() for spelled in (text.upper(), text.lower(), text.casefold()))}
 
 
 def redacted(data: bytes, runs: list[tuple[int, int]]) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from collections.abc import Callable
 
 import pytest
 
@@ -62,3 +63,11 @@ def test_copies_of_a_form_side_by_side_are_one_run_found_once_each() -> None:
     assert forms.runs(b"x" + b"a" * 4096 + b"x") == [(1, 4097)]
     assert forms.scrub(SECRET * 3) == SECRET * 3
     assert Forms.of([SECRET]).scrub(b"<" + SECRET * 3 + b">") == b"<[REDACTED]>"
+
+
+@pytest.mark.parametrize("spelled", [str.upper, str.lower, str.casefold], ids=["upper", "lower", "casefold"])
+def test_a_secret_beyond_ascii_is_scrubbed_in_another_letter_case_too(spelled: Callable[[str], str]) -> None:
+    """The scan lowers ASCII letters only: an upper-cased echo of ``tok-Grüße`` kept its Ü."""
+    secret = "tok-Grüße-1234567890"
+    echo = ("you sent: " + spelled(secret)).encode()
+    assert Forms.of([secret.encode()]).scrub(echo) == b"you sent: [REDACTED]"
