@@ -3,7 +3,6 @@ beside it may change the tree at any moment, and only what cannot be archived is
 
 from __future__ import annotations
 
-import importlib
 import io
 import os
 import subprocess
@@ -12,23 +11,10 @@ import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from stockade.sandbox.supervisor import reaper
-
-
-def supervisor_module(name: str) -> Any:
-    """The supervisor's module, which imports its neighbours by bare name."""
-    folder = str(Path(reaper.__file__).parent)
-    saved = list(sys.path)
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path[:] = saved
-
+from tests.unit.sandbox.supervisor_modules import supervisor_module
 
 archive = supervisor_module("archive")
 fileops = supervisor_module("fileops")

@@ -4,24 +4,15 @@ ruleset holds by inode: those are emptied and kept, with the folders on the way 
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from stockade.sandbox.supervisor import reaper
+from tests.unit.sandbox.supervisor_modules import supervisor_module
 
 
 def fileops() -> Any:
-    """The supervisor's module, which imports its neighbours by bare name."""
-    folder = str(Path(reaper.__file__).parent)
-    saved = list(sys.path)
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module("fileops")
-    finally:
-        sys.path[:] = saved
+    return supervisor_module("fileops")
 
 
 def tree(root: Path) -> list[str]:

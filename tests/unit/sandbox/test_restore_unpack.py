@@ -5,10 +5,8 @@ leaves nothing of it; a file that does not fit is refused at its header, before 
 from __future__ import annotations
 
 import errno
-import importlib
 import io
 import os
-import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -17,21 +15,10 @@ import pytest
 
 from stockade._globs import unpack_filter
 from stockade.sandbox._requests import VCS_FOLDERS, upload_entries
-from stockade.sandbox.supervisor import reaper
 from stockade.types import SandboxRules
+from tests.unit.sandbox.supervisor_modules import supervisor_module
 
 CHUNK = 64 << 10
-
-
-def supervisor_module(name: str) -> Any:
-    """The supervisor's module, which imports its neighbours by bare name."""
-    folder = str(Path(reaper.__file__).parent)
-    saved = list(sys.path)
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path[:] = saved
 
 
 unpack = supervisor_module("unpack")

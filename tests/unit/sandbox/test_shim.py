@@ -6,21 +6,19 @@ the program left behind, and says why when it cannot start it, with the shell's 
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from stockade.sandbox import _shim
 from stockade.sandbox.supervisor import reaper
 from tests.conftest import require
+from tests.unit.sandbox.supervisor_modules import supervisor_module
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -134,17 +132,6 @@ def test_it_waits_for_the_program_not_for_what_it_left(shim: Path) -> None:
 # -- how the supervisor starts it (supervisor/reaper.py, supervisor/jobs.py) ---------------
 
 
-def _supervisor_module(name: str) -> Any:
-    """One of the supervisor's modules, which import each other by bare name."""
-    folder = str(Path(reaper.__file__).parent)
-    saved = list(sys.path)
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path[:] = saved
-
-
 def test_the_supervisor_runs_it_from_a_sealed_memfd(shim: Path, tmp_path: Path) -> None:
     (tmp_path / reaper.SHIM).write_bytes(shim.read_bytes())
     fd = reaper.load_shim(str(tmp_path))
@@ -168,7 +155,7 @@ def test_the_supervisor_runs_it_from_a_sealed_memfd(shim: Path, tmp_path: Path) 
 
 
 def test_a_kernel_that_will_not_run_it_leaves_the_sandbox_on_the_python_shim(tmp_path: Path) -> None:
-    jobs = _supervisor_module("jobs")
+    jobs = supervisor_module("jobs")
     (tmp_path / "not-a-program").write_bytes(b"\0" * 64)
     sup = SimpleNamespace(shim=os.open(tmp_path / "not-a-program", os.O_RDONLY), rules=None)
     r, w = os.pipe()

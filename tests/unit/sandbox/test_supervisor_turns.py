@@ -3,30 +3,15 @@ first, and an event whose descriptor an earlier part of the turn closed is not d
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stockade.sandbox.supervisor import reaper
 from tests.conftest import wait_for
-
-SUPERVISOR = Path(reaper.__file__).parent
-
-
-def supervisor_module(name: str) -> Any:
-    """One of the supervisor's modules, which import each other by name; importing the
-    supervisor trims sys.path to what the sandbox cannot write (as root: nearly nothing)."""
-    saved = list(sys.path)
-    sys.path.insert(0, str(SUPERVISOR))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path[:] = saved
+from tests.unit.sandbox.supervisor_modules import supervisor_module
 
 
 @pytest.fixture(scope="module")
