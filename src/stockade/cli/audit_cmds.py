@@ -77,6 +77,20 @@ UNREADABLE = 3
 _SQLITE_NOTADB = 26  # the file is no SQLite database: it holds no trail
 
 
+@contextlib.contextmanager
+def _exits(unreadable: tuple[type[exc.StockadeError], ...]) -> Iterator[None]:
+    """A store's error as the command's exit: one of ``unreadable`` (a store that fails or
+    lacks its tables: nothing proven) UNREADABLE, any other ``StockadeError`` 2."""
+    try:
+        yield
+    except unreadable as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(UNREADABLE) from error
+    except exc.StockadeError as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(2) from error
+
+
 def _has_table(path: Path, table: str) -> bool:
     """Whether the SQLite file at ``path`` has ``table``; exits UNREADABLE where the file
     cannot be read (a full disk, an I/O error, a lock): that is no answer either way."""
@@ -105,7 +119,7 @@ def _store(db: str, namespace: str) -> AuditStore:
                 "check --db and --namespace)"
             )
             raise typer.Exit(2)
-    try:  # read-only: reading the trail must not create tables, or rows (a deleted head) in it
+    with _exits((exc.AuditStoreError,)):  # read-only: reading the trail must not create tables, or rows
         store = open_store(db, namespace=namespace, read_only=True)
         if isinstance(store, PostgresStore) and not store.has_trail():
             store.close()
@@ -114,12 +128,6 @@ def _store(db: str, namespace: str) -> AuditStore:
                 "check --db and --namespace)"
             )
             raise typer.Exit(2)
-    except exc.AuditStoreError as error:
-        err.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(UNREADABLE) from error
-    except exc.StockadeError as error:
-        err.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(2) from error
     return store
 
 
@@ -150,14 +158,8 @@ def _ledger(runs_db: str | None, db: str, namespace: str, key: bytes | None) -> 
             raise typer.Exit(2)
         yield None
         return
-    try:  # read-only: checking the evidence must not change it (no table made, no run marked)
+    with _exits((exc.RunStoreError,)):  # read-only: checking the evidence must not change it
         store = open_run_store(url, namespace=namespace, key=key, read_only=True)
-    except exc.RunStoreError as error:  # a store that fails or lacks tables: nothing proven
-        err.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(UNREADABLE) from error
-    except exc.StockadeError as error:
-        err.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(2) from error
     with store:
         yield store
 
@@ -170,14 +172,8 @@ def _holds_run_store(url: str, namespace: str) -> bool:
     path = sqlite_path(url)
     if path is not None:
         return path.exists() and _has_table(path, f"{namespace}_tool_calls")
-    try:
+    with _exits((exc.RunStoreError,)):
         return holds_run_store(url, namespace=namespace)
-    except exc.RunStoreError as error:
-        err.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(UNREADABLE) from error
-    except exc.StockadeError as error:
-        err.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(2) from error
 
 
 def _tenant_ledger(ledger: RunStore, tenant: str) -> RunsLedger | None:
@@ -253,14 +249,8 @@ def verify(
         if tenant is not None and scoped is None:
             err.print(f"[red]{escape(db)} holds no service's runs[/]: --tenant needs a service's database")
             raise typer.Exit(2)
-        try:
+        with _exits((exc.AuditStoreError, exc.RunStoreError)):  # a store failed mid-way: nothing proven
             report = verify_store(store, run_id=run, key=key, expected_head=pinned, ledger=scoped or ledger)
-        except (exc.AuditStoreError, exc.RunStoreError) as error:  # a store failed mid-way: nothing proven
-            err.print(f"[red]{escape(str(error))}[/]")
-            raise typer.Exit(UNREADABLE) from error
-        except exc.StockadeError as error:
-            err.print(f"[red]{escape(str(error))}[/]")
-            raise typer.Exit(2) from error
     if as_json:
         print_json(
             {
