@@ -15,6 +15,9 @@ __all__ = ["CUT_MARK", "cut_marker", "plain"]
 
 # one line, its own: a newline, the mark, a newline
 CUT_MARK = re.compile(r"\n\[… [\d,]+ characters cut(?: [^\n]*)? …\]\n")
+# the same line, its newlines looked at, not taken: two marks back to back share a newline,
+# which ``CUT_MARK.sub`` took with the first, leaving the second a mark
+_MARK_LINE = re.compile(r"(?<=\n)\[… [\d,]+ characters cut(?: [^\n]*)? …\](?=\n)")
 
 
 def cut_marker(chars: int, note: str = "") -> str:
@@ -27,7 +30,7 @@ def cut_marker(chars: int, note: str = "") -> str:
 def plain(text: str) -> str:
     """``text``, which nobody cut, with each mark-shaped line in it written with "..." for "…":
     read as its author's text, by the redactor too (``ls`` + a mark + ``rm -rf src`` recorded
-    the ``rm`` as ``[REDACTED:cut]``)."""
+    the ``rm`` as ``[REDACTED:cut]``; so did a second mark right after a first)."""
     if "characters cut" not in text:
         return text
-    return CUT_MARK.sub(lambda mark: mark.group().replace("…", "..."), text)
+    return _MARK_LINE.sub(lambda mark: mark.group().replace("…", "..."), text)

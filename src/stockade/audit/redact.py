@@ -17,8 +17,10 @@ dict; add your own to the pipeline. Two more rules need no pipeline entry:
 (``PGPASSWORD=x``, ``"password": "x"``, ``secret='a b'``, ``password => x``), given to a
 credential's flag (``--password x``, ``--api-key x``, ``curl -u user:x``), and the password of
 a URL (``https://user:x@host``). A value ends where a shell would end it (``;``, ``|``, ``$(``
-...): what follows is what a command did, never hidden. ``flag_value`` finds a flag's value
-given as an argv word of its own (``["--password", "x"]``).
+..., a quote or a newline; a character a backslash escapes does not end it): what follows is
+what a command did, never hidden. A private key block ends at its END line, or at the first
+line a key's body does not hold. ``flag_value`` finds a flag's value given as an argv word of
+its own (``["--password", "x"]``).
 
 A text someone cut before it reached the redactor (a sandbox caps the words of an exec it
 reports) may end with half a credential, which no pattern and no registered value matches:
@@ -83,15 +85,43 @@ _SHELL = r";&|<>$()`"
 # A character of a quoted value: not its quote, nor what runs a command even between double
 # quotes (``$(``, ``${``, a backtick).
 _QUOTED = r"(?:(?!\$[({])[^'\"\n\\`])"
+# A character of a double-quoted value: one of ``_QUOTED`` or one a backslash escapes (the
+# shell keeps ``\"``, ``\$``, ... inside the quotes); never ``'``: a value in single quotes
+# that ran past one (``echo '"password": "\'; echo PWNED`` ) hid the command after it.
+_DQ = rf"(?:{_QUOTED}|\\[^\n'])"
+# A character of a single-quoted value: the shell escapes nothing there, a backslash is one.
+_SQ = rf"(?:{_QUOTED}|\\)"
+# A character of an unquoted value: not a space, a quote, a backslash nor what ends a shell's
+# word; or any a backslash escapes (``PGPASSWORD=Xy\$9k`` is the one word ``Xy$9k``).
+_BARE = rf"(?:[^\s\"'\\{_SHELL}]|\\[^\n])"
+# A quoted value longer than this is no credential: a value stops being read past it.
+_LONGEST = 4096
 # How a value is given to a name: ``=``, ``:``, and ``=>`` (Perl, PHP, Ruby); not ``==``.
 _GIVES = r"(?:=>|[=:](?![=>]))"
+# A private key's body: its lines (also written ``\n`` in a string), each base64, an encrypted
+# key's ``Proc-Type:``/``DEK-Info:`` header or blank, up to its END line; a line of anything
+# else is no key's (``-----BEGIN PRIVATE KEY----- ; echo PWNED`` hid the echo to the end).
+# A key on one line (a variable echoed unquoted) needs its END.
+_NL = r"(?:\r?\n|(?:\\r)?\\n)"
+_PEM_END = r"-----END [A-Z ]*PRIVATE KEY-----"
+_PEM_BODY = (
+    rf"(?:[ \t]+(?:[A-Za-z0-9+/=]+[ \t]+)*{_PEM_END}"
+    rf"|(?:{_NL}[ \t]*(?:(?:Proc-Type|DEK-Info):[ \t]*[\w,\-]+|[A-Za-z0-9+/=]+[ \t]*)?(?={_NL}|\Z))*"
+    rf"(?:{_NL}[ \t]*{_PEM_END})?)"
+)
+# A character of an assigned value: one of ``_BARE`` but ``,`` (a list's next item); after a
+# quote, a backslash alone, which ends the value at an escaped quote (``\"token\": \"x\"``: JSON
+# in a string). The pattern names that quote ``opened``.
+_ASSIGNED = rf"(?(opened)(?:[^\s\"',\\{_SHELL}]|\\(?![\"']))|(?!,){_BARE})"
+# A JSON string's character: no quote, newline or backslash, but one of JSON's escapes.
+_JSON = rf"(?:{_QUOTED}|\\(?:[\"\\/bfnrt]|u[0-9A-Fa-f]{{4}}))"
 
 # name -> pattern; the whole match is replaced by [REDACTED:name], except the named group
 # ``keep`` (the scheme word of ``Bearer x``, the name in ``password=x``), which stays.
 # (A prefix is written before its ``\b``, as a look behind: a pattern that begins with a literal
 # is searched for as one, thirty times faster than one tried at every position.)
 TOKEN_PATTERNS: dict[str, str] = {
-    "private_key": r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|\Z)",
+    "private_key": rf"-----BEGIN [A-Z ]*PRIVATE KEY-----{_PEM_BODY}",
     "api_key": r"sk-(?<!\wsk-)(?:[A-Za-z0-9]+-)*[A-Za-z0-9_\-]{16,}",
     "github_token": r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{22,})",
     "aws_access_key": r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",
@@ -108,12 +138,12 @@ TOKEN_PATTERNS: dict[str, str] = {
     "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)(?=[A-Za-z\-._~+/]*\d)[A-Za-z0-9\-._~+/]{12,}=*",
     # "password": "x y" (JSON, its value up to the closing quote, spaces and escapes included)
     "json_assignment": (
-        rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"\s*:\s*\")(?!\[REDACTED)(?:{_QUOTED}|\\.){{4,}}(?=\")"
+        rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"[ \t]*:[ \t]*\")(?!\[REDACTED){_JSON}{{4,{_LONGEST}}}(?=\")"
     ),
     # passphrase='open sesame', TOKEN="a b c", password => 'x': a quoted value, up to its quote
     "quoted_assignment": (
-        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})\s*{_GIVES}\s*(?P<quote>['\"]))(?!\[REDACTED)"
-        rf"{_QUOTED}{{4,}}(?=(?P=quote))"
+        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})[ \t]*{_GIVES}[ \t]*['\"])(?!\[REDACTED)"
+        rf"(?:(?<='){_SQ}{{4,{_LONGEST}}}(?=')|(?<=\"){_DQ}{{4,{_LONGEST}}}(?=\"))"
     ),
     # https://user:password@host, redis://:password@host: the password of a URL's user information
     # (a user that is a mark already, "[REDACTED:github_token]", is no user and password)
@@ -124,23 +154,23 @@ TOKEN_PATTERNS: dict[str, str] = {
     # --password hunter2, --api-key abcd (a command's flag, its value after a space)
     "flag": (
         rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])"
-        rf"(?:(?<=['\"]){_QUOTED}{{4,}}(?=['\"])|(?<!['\"])[^\s\"'{_SHELL}]{{4,}})"
+        rf"(?:(?<='){_SQ}{{4,{_LONGEST}}}(?=')|(?<=\"){_DQ}{{4,{_LONGEST}}}(?=\")|(?<!['\"]){_BARE}{{4,}})"
     ),
     # curl -u user:password (a user that is a number, docker's -u 1000:1000, is a uid and gid)
     "user_password": (
         rf"(?P<keep>(?<![\w\-])(?:-u|--user)[ \t]+['\"]?[^\s:'\"{_SHELL}]+:)"
-        rf"(?!\[REDACTED|\d+(?![^\s\"'{_SHELL}]))[^\s\"'{_SHELL}]+"
+        rf"(?!\[REDACTED|\d+(?![^\s\"'{_SHELL}])){_BARE}+"
     ),
     # password=x, PGPASSWORD=x, accessToken: x, 'secret': 'x', \"token\": \"x\" (JSON in a string)
     "assignment": (
-        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?\s*{_GIVES}\s*(?:\\?[\"'])?)"
-        rf"(?!\[REDACTED|(?i:true|false|null|none)\b)(?:[^\s\"',\\{_SHELL}]|\\(?![\"'])){{4,}}"
+        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?[ \t]*{_GIVES}[ \t]*(?P<opened>\\?[\"'])?)"
+        rf"(?!\[REDACTED|(?i:true|false|null|none)\b){_ASSIGNED}{{4,}}"
     ),
     # "db failed: password Zq9hunter2" (an error message): a word after the word password that
     # holds a letter and a digit, so that "password is required" and "password reset" stay
     "spaced_password": (
         r"(?P<keep>\b(?i:password|passwd|passphrase)[ \t]+)(?!\[REDACTED)"
-        rf"(?=[^\s\"'{_SHELL}]*[0-9])(?=[^\s\"'{_SHELL}]*[A-Za-z])[^\s\"',{_SHELL}]{{6,}}"
+        rf"(?={_BARE}*[0-9])(?={_BARE}*[A-Za-z])(?:(?!,){_BARE}){{6,}}"
     ),
 }
 
@@ -160,23 +190,32 @@ TAIL_PATTERNS: dict[str, str] = {
     "npm_token": r"\bnpm_[A-Za-z0-9]*\Z",
     "jwt": r"\beyJ[A-Za-z0-9_\-.]*\Z",
     "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)[A-Za-z0-9\-._~+/]+=*\Z",
-    "json_assignment": rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"\s*:\s*\")(?!\[REDACTED)(?:{_QUOTED}|\\.)*\\?\Z",
-    "quoted_assignment": (rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})\s*{_GIVES}\s*['\"])(?!\[REDACTED){_QUOTED}*\Z"),
+    "json_assignment": (
+        rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"[ \t]*:[ \t]*\")(?!\[REDACTED)"
+        rf"{_JSON}{{0,{_LONGEST}}}(?:\\(?:u[0-9A-Fa-f]{{0,3}})?)?\Z"
+    ),
+    "quoted_assignment": (
+        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})[ \t]*{_GIVES}[ \t]*['\"])(?!\[REDACTED)"
+        rf"(?:(?<='){_SQ}{{0,{_LONGEST}}}|(?<=\"){_DQ}{{0,{_LONGEST}}}\\?)\Z"
+    ),
     "url_password": (
         r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://(?!\[REDACTED)[^\s/:@'\"]*:)(?!\[REDACTED)"
         rf"[^\s/@'\"{_SHELL}]*\Z"
     ),
-    "flag": rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])[^\s\"'{_SHELL}]*\Z",
+    "flag": (
+        rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])"
+        rf"(?:(?<='){_SQ}{{0,{_LONGEST}}}|(?<=\"){_DQ}{{0,{_LONGEST}}}\\?|(?<!['\"]){_BARE}*\\?)\Z"
+    ),
     "user_password": (
         rf"(?P<keep>(?<![\w\-])(?:-u|--user)[ \t]+['\"]?[^\s:'\"{_SHELL}]+:)(?!\[REDACTED)"
-        rf"[^\s\"'{_SHELL}]*\Z"
+        rf"{_BARE}*\\?\Z"
     ),
     "assignment": (
-        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?\s*{_GIVES}\s*(?:\\?[\"'])?)"
-        rf"(?!\[REDACTED)(?:[^\s\"',\\{_SHELL}]|\\(?![\"']))*\\?\Z"
+        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?[ \t]*{_GIVES}[ \t]*(?P<opened>\\?[\"'])?)"
+        rf"(?!\[REDACTED){_ASSIGNED}*\\?\Z"
     ),
     "spaced_password": (
-        rf"(?P<keep>\b(?i:password|passwd|passphrase)[ \t]+)(?!\[REDACTED)[^\s\"',{_SHELL}]*\Z"
+        rf"(?P<keep>\b(?i:password|passwd|passphrase)[ \t]+)(?!\[REDACTED)(?:(?!,){_BARE})*\\?\Z"
     ),
 }
 # The same for PERSONAL_DATA_PATTERNS: an e-mail address, a number (a card, a phone, an IPv4
@@ -188,10 +227,11 @@ PERSONAL_TAIL_PATTERNS: dict[str, str] = {
     "ipv6": r"\b[0-9A-Fa-f]{1,4}:[0-9A-Fa-f:]*\Z",
 }
 CUT_REDACTED = "[REDACTED:cut]"  # what may have begun a credential where a text was cut
-# What right after a cut may be the end of a credential: the rest of its word; for personal
-# data, the rest of a number (a phone number's groups) too.
-_LEAD = re.compile(r"[^\s\"',;&<>()\[\]{}]*")
-_PERSONAL_LEAD = re.compile(r"[^\s\"',;&<>\[\]{}]*(?:[\d .\-()]*\d)?")
+# What right after a cut may be the end of a credential: the rest of its word, which ends where
+# the shell ends one (``;`` ``|`` ``$`` ...; a backslash escapes one); for personal data, the
+# rest of a number (a phone number's groups) too.
+_LEAD = re.compile(rf"(?:[^\s\"',\\\[\]{{}}{_SHELL}]|\\[^\n])*")
+_PERSONAL_LEAD = re.compile(r"[^\s\"',;&|<>$`\[\]{}]*(?:[\d .\-()]*\d)?")
 _HEAD_ROUNDS = 8  # a tail held back, then the tail of what is left, ...: past this, nothing is kept
 
 # A key naming a credential, once spelled snake_case (``accessToken`` -> ``access_token``,

@@ -5,15 +5,24 @@ value ran through the shell's ``;`` (``true --token x;echo PWNED>>victim.txt`` w
 ``true --token [REDACTED:flag]``), and a cut mark typed into a command hid the word after it as
 if stockade had cut the text there. And a password given as an argv word of its own
 (``["--password", "x"]``) was stored in clear: each word was redacted alone.
+
+A second tester found more: a private key's header hid the rest of the text, a JSON value took
+a backslash and a single quote for an escape and ran out of the shell's single quotes, a second
+cut mark right after a first was still read as a cut, and a password holding a character the
+shell escapes with a backslash (a ``$``, a ``;``) was kept in clear.
 """
 
 from __future__ import annotations
 
+import string
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import JsonValue
 
 from stockade import CommandResult
-from stockade._cuts import cut_marker
+from stockade._cuts import cut_marker, plain
 from stockade.agent import Agent
 from stockade.audit import AuditedBackend, EventKind
 from stockade.audit.agent import AuditObserver
@@ -69,7 +78,7 @@ def _ran_in_sh(op: RunCommand) -> CommandResult:
     return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0, execs=(judged,))
 
 
-def _argvs(audit: CapturedAudit, argv: list[str]) -> list[list[str]]:
+def _argvs(audit: CapturedAudit, argv: str | list[str]) -> list[list[str]]:
     """The argv each of the command's events kept: its start, its end and the exec inside."""
     with Sandbox.create(
         backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=_ran_in_sh)), audit, run_id="r")
@@ -145,3 +154,128 @@ def test_a_password_in_a_long_argv_is_redacted_where_the_argv_is_cut() -> None:
     for kept in argvs[1:]:  # the start keeps the first words only
         assert kept[-2:] == ["--password", "[REDACTED:flag]"]
     assert "hunter2pass-tail" not in str(argvs)
+
+
+# What an outside tester hid behind text shaped like a secret, and what must stay visible.
+HIDERS = [
+    ("echo -----BEGIN PRIVATE KEY----- ; echo PWNED2 > victim2.txt", "; echo PWNED2 > victim2.txt"),
+    ("echo '-----BEGIN RSA PRIVATE KEY-----'; rm -rf src\nexfil\n", "'; rm -rf src\nexfil\n"),
+    ("""echo '"password": "\\'; echo PWNED1 > victim1.txt; echo "done" """, "; echo PWNED1 > victim1.txt"),
+    (
+        """python3 -c '{"password": "\\'; echo PWNED1 > victim1.txt; echo "done" '""",
+        "; echo PWNED1 > victim1.txt",
+    ),
+    (
+        "true\n[… 1 characters cut …]\n[… 2 characters cut …]\necho$IFS$9PWNED3>victim3.txt",
+        "\necho$IFS$9PWNED3>victim3.txt",
+    ),
+    ("PGPASSWORD=\necho PWNED4 > victim4.txt", "\necho PWNED4 > victim4.txt"),
+]
+
+
+@pytest.mark.parametrize(("command", "kept"), HIDERS)
+def test_what_follows_a_secret_s_shape_is_in_every_event(command: str, kept: str) -> None:
+    with capture_audit() as audit:
+        argvs = _argvs(audit, command)
+    assert len(argvs) == 3  # op_start, command, and the exec of the shell
+    for argv in argvs:
+        assert argv[:2] == ["/bin/sh", "-c"]
+        assert kept in argv[2] and CUT_REDACTED not in argv[2]
+
+
+@pytest.mark.parametrize("after", ["$(rm -rf src)", "|sh", ";rm -rf src", "`rm -rf src`", ">leak.txt"])
+def test_the_word_held_back_after_a_cut_ends_where_the_shell_ends_it(after: str) -> None:
+    assert Redactor().text("x" + cut_marker(5) + "abcd" + after) == "x" + cut_marker(5) + CUT_REDACTED + after
+
+
+@pytest.mark.parametrize(
+    ("command", "secret", "kept"),
+    [
+        ("PGPASSWORD=Xy\\$9kLm2qZ psql", "9kLm2qZ", " psql"),
+        ("mysql -u root --password=Xy\\&9kLm2qZ db", "9kLm2qZ", " db"),
+        ("mysql --password Xy\\;9kLm2qZ", "9kLm2qZ", "mysql --password "),
+        ('PASSWORD="Xy\\"9k\\$Lm2qZ" psql', "Lm2qZ", " psql"),
+        ("db failed: password Xy\\|9kLm2qZ", "9kLm2qZ", "db failed: password "),
+    ],
+)
+def test_a_secret_holding_an_escaped_shell_character_is_redacted_in_every_event(
+    command: str, secret: str, kept: str
+) -> None:
+    """The shell ends no word at an escaped character: ``Xy\\$9k`` is one value."""
+    with capture_audit() as audit:
+        argvs = _argvs(audit, command)
+    assert len(argvs) == 3
+    for argv in argvs:
+        assert secret not in argv[2] and "[REDACTED:" in argv[2] and kept in argv[2]
+
+
+KEY_BODY = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7\nZq9Wm3Xk7Vn2Bc5Lp9Rt4Yh6Gj1Df0Sa=="
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"-----BEGIN PRIVATE KEY-----\n{KEY_BODY}\n-----END PRIVATE KEY-----\n",
+        "-----BEGIN RSA PRIVATE KEY-----\r\n" + KEY_BODY.replace("\n", "\r\n") + "\r\n",  # cut, no END
+        "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-128-CBC,9F2E\n\n"
+        f"{KEY_BODY}\n-----END RSA PRIVATE KEY-----",
+        '{"key": "-----BEGIN PRIVATE KEY-----\\n'
+        + KEY_BODY.replace("\n", "\\n")
+        + '\\n-----END PRIVATE KEY-----\\n"}',
+        "-----BEGIN OPENSSH PRIVATE KEY----- "
+        + KEY_BODY.replace("\n", " ")
+        + " -----END OPENSSH PRIVATE KEY-----",
+        "key:\n  -----BEGIN PRIVATE KEY-----\n  "
+        + KEY_BODY.replace("\n", "\n  ")
+        + "\n  -----END PRIVATE KEY-----",
+    ],
+)
+def test_a_private_key_is_redacted_up_to_its_end_line(text: str) -> None:
+    out = redact_tokens(text)
+    assert "[REDACTED:private_key]" in out
+    assert "MIIEvQ" not in out and "Bc5Lp9" not in out and "-----END" not in out
+
+
+# A text shaped like a secret's beginning, and what closes the shell's quote it opened.
+OPENERS = [
+    ("mysql --password ", ""),
+    ("cli --api-key '", "'"),
+    ('cli --api-key "', '"'),
+    ("PGPASSWORD=", ""),
+    ("passphrase='", "'"),
+    ('TOKEN="', '"'),
+    ('echo \'"password": "', "'"),
+    ('echo "{\\"token\\": \\"', '"'),
+    ("curl -u deploy:", ""),
+    ("curl https://deploy:", "@h"),
+    ("echo db failed: password x9", ""),
+    ("echo Authorization: Bearer Zq8Wm3Xk7Vn2", ""),
+    ("echo -----BEGIN PRIVATE KEY-----", ""),
+    ("echo -----BEGIN RSA PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n", ""),
+    ("true\n[… 1 characters cut …]\n[… 2 characters cut …]\necho", ""),
+]
+# What then runs a command: a separator, or a substitution (what opens it, what closes it).
+SEPARATORS = [(";", ""), (" ; ", ""), ("&&", ""), ("||", ""), ("|", ""), ("&", ""), ("\n", "")]
+SEPARATORS += [(";\n", ""), ("$(", ")"), ("`", "`")]
+# A value's pieces: a word, or a character the shell escapes (never ``\'``: it would close a
+# single quote) ...
+PIECES = st.text(alphabet=string.ascii_letters + string.digits + "-_=+/.:@%", min_size=1, max_size=6)
+PIECES |= st.sampled_from(["\\$", "\\;", "\\&", '\\"', "\\ ", "\\|"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    opener=st.sampled_from(OPENERS),
+    value=st.lists(PIECES, max_size=4).map("".join),
+    backslash=st.booleans(),
+    separator=st.sampled_from(SEPARATORS),
+)
+def test_a_command_after_a_secret_s_shape_is_always_recorded(
+    opener: tuple[str, str], value: str, backslash: bool, separator: tuple[str, str]
+) -> None:
+    """Whatever the value, the shell runs ``echo MARKER > f`` here: the trail shows it."""
+    (before, close), (open_, end) = opener, separator
+    if backslash and close == "'":  # ... and in single quotes, one that is a character of its own
+        value += "\\"
+    command = f"{before}{value}{close}{open_}echo MARKER > f{end}"
+    assert "echo MARKER > f" in Redactor().text(plain(command)), command
