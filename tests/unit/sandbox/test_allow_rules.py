@@ -11,6 +11,7 @@ import importlib
 import itertools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,3 +225,22 @@ def test_the_sandboxs_exec_judge_reads_an_allow_rule_so(execjudge: Any, argv: li
     require(path, os.path.exists(path), "the judge is read on the image's files elsewhere")
     expected = ("allow", None) if argv in ALLOWED else ("deny", "commands.allow")
     assert judge.judge(os.getpid(), path, argv) == expected
+
+
+def test_a_link_swapped_while_an_exec_is_judged_leaves_no_name_on_the_file(
+    execjudge: Any, tmp_path: Path
+) -> None:
+    """The judge looks at an exec's file twice (its stat, then the name it leads to): a link
+    swapped between the two looks named one file after the other, and that name was kept
+    by the first file for the sandbox's life (a listed ``ls`` judged as the ELF loader ever
+    after). Now such an exec is refused, and the next exec of the file is judged afresh."""
+    commands = {"deny": [], "approve": [], "allow": [["ls"], ["true"]]}
+    judge = execjudge.ExecJudge(None, commands, {})
+    ls, loader = tmp_path / "ls", tmp_path / "ld-linux-x86-64.so.2"
+    ls.write_bytes(b"\x7fELF listed")
+    loader.write_bytes(b"\x7fELF loader")
+    link = tmp_path / "l"
+    link.symlink_to(loader)
+    raced = os.stat(ls)  # what the first look saw, before the link moved on
+    assert judge.judge(os.getpid(), str(link), ["ls", "/"], raced)[0] == "deny"
+    assert judge.judge(os.getpid(), str(ls), ["ls", "/"]) == ("allow", None)

@@ -339,7 +339,11 @@ class ExecJudge:
             if outside:  # the kernel needs only x to run it: what it is must not go unread
                 return _unreadable(exc)
             head, copies = b"", set()  # the image's: what it shipped, judged by its names
-        files = {os.path.basename(path), self._real_name(target, st)} | copies
+        real_name = self._real_name(target, st)
+        if real_name is None:  # what the kernel will open cannot be told: nothing runs unjudged
+            self.carrying = True  # a verdict on a race, not on the file: not kept
+            return "deny", "changed: the file this exec names changed while it was judged"
+        files = {os.path.basename(path), real_name} | copies
         verdict = self._by_names(files, argv, listed)
         masked = copies & self._masked_names
         if masked and verdict[0] != "deny":  # masked: it runs under no name
@@ -465,14 +469,25 @@ class ExecJudge:
                 return False
         return True
 
-    def _real_name(self, target: str, st: "os.stat_result") -> str:
-        """The name of the file ``target`` leads to (symlinks followed), cached by the file."""
+    def _real_name(self, target: str, st: "os.stat_result") -> "Optional[str]":
+        """The name of the file ``target`` leads to (symlinks followed), cached by the file;
+        None where ``target`` led to another file than ``st``'s by then (a link swapped
+        between the two looks). Kept by ``st``'s file, the name of another one stayed: a link
+        raced between ``ls`` and the ELF loader left ``ls`` judged as the loader for the
+        sandbox's life (``ls /`` refused: "/" read as the program it loads)."""
         key = (st.st_dev, st.st_ino, st.st_mtime_ns)
         name = self._names.get(key)
         if name is None:
+            real = os.path.realpath(target)
+            try:
+                now = os.stat(real)
+            except OSError:
+                return None
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return None
             if len(self._names) > 4096:
                 self._names.clear()
-            name = self._names[key] = os.path.basename(os.path.realpath(target))
+            name = self._names[key] = os.path.basename(real)
         return name
 
     @staticmethod
