@@ -239,6 +239,13 @@ class Plain(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def close_within(self, seconds: float) -> None:
+        """Close after what waits to be sent is sent, or abort if the peer has not taken it
+        within ``seconds`` (``close`` alone waits for a peer that may never read)."""
+        self.close()
+        if self.transport is not None and self.transport.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(seconds, self.abort)
+
     def quickack(self) -> None:
         """ACK what comes next at once. On a kept connection the kernel has learnt to delay
         its ACKs (request, answer, request: it waits to send one with the next request), and

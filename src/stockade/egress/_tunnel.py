@@ -32,6 +32,11 @@ from stockade.egress._streams import Plain, ServerTLS, connect, within
 from stockade.egress._tls import MAX_HELLO, SandboxCA, server_name
 from stockade.types import EgressRecord
 
+# What a server has not taken of a tunnel's last bytes this long after the tunnel ended is
+# dropped: a server that stops reading held the sandbox's buffer budget for as long as it
+# kept the connection open.
+LINGER_S = 10.0
+
 __all__ = ["Tunnels"]
 
 
@@ -121,19 +126,34 @@ class Tunnels:
             finally:
                 dst.eof()
 
+        pumps: list[asyncio.Task[None]] = []
         try:
             if first:
                 counts[0] += len(first)
                 window.add(len(first))
                 await upstream.send(first)
-            results = await asyncio.gather(
-                pump(client, upstream, 0), pump(upstream, client, 1), return_exceptions=True
-            )
-            for result in results:
-                if isinstance(result, asyncio.CancelledError):
-                    raise result
+            pumps = [
+                asyncio.create_task(pump(client, upstream, 0)),
+                asyncio.create_task(pump(upstream, client, 1)),
+            ]
+            # An end of stream leaves the other way open (a client that sent its request and
+            # shut its side down still reads the answer); a side lost ends both: the pump
+            # toward a server that no longer reads waited on it for ever, and held the
+            # sandbox's buffer budget with it.
+            pending: set[asyncio.Task[None]] = set(pumps)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(not task.cancelled() and task.exception() is not None for task in done):
+                    break
         finally:
-            upstream.close()
+            for task in pumps:
+                task.cancel()
+            if pumps:
+                await asyncio.gather(*pumps, return_exceptions=True)
+            if client.gone() or upstream.gone():
+                upstream.abort()  # nobody left to hear the rest, nor to wait for it to be sent
+            else:
+                upstream.close_within(LINGER_S)
 
     async def _intercept(
         self, client: Plain, tunnel: tuple[str, int, str], hello: bytes, entry: Entry

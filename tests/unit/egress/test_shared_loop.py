@@ -258,3 +258,33 @@ def test_tunnels_where_neither_side_reads_hold_at_most_the_sandboxs_budget(stall
         for sock in clients:
             sock.close()
         _loop.call(proxy.close())
+
+
+def test_a_tunnel_whose_client_left_while_its_server_stopped_reading_gives_its_bytes_back(
+    stalled: Stalled,
+) -> None:
+    """The pump toward a server that no longer reads waits on it; the client leaving (a
+    reset) ended the other way only, and that pump waited for ever, holding the sandbox's
+    buffer budget with it (CI run 164: 30 s and still held)."""
+    policy = NetworkPolicy(
+        allow_hosts=(f"svc.test:{stalled.port}",), resolve={"svc.test": ("127.0.0.1",)},
+        allow_addresses=("127.0.0.1/32",),
+    )  # fmt: skip
+    proxy = EgressProxy(policy, max_buffered=1024 * 1024)
+    port = _loop.call(proxy.start_tcp())
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"CONNECT svc.test:%d HTTP/1.1\r\nHost: svc.test\r\n\r\n" % stalled.port)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.sendall(hello())
+        sock.settimeout(0.2)
+        with contextlib.suppress(TimeoutError):  # until the proxy stops taking: its writes wait
+            while True:
+                sock.send(b"y" * 65536)
+        wait_for(lambda: proxy.gate.buffers.held > 0, what="the proxy to hold the tunnel's bytes")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # a reset
+        sock.close()
+        wait_for(lambda: proxy.gate.buffers.held == 0, what="the tunnel's bytes given back", timeout_s=5)
+    finally:
+        _loop.call(proxy.close())
