@@ -65,7 +65,8 @@ from stockade.agent.events import (
 from stockade.agent.state import RunStatus, ToolCallRecord, args_measure
 from stockade.audit.events import STORED, EventKind, JSONValue
 from stockade.audit.log import AuditLog
-from stockade.audit.redact import Redactor
+from stockade.audit.redact import Redactor, ShellText
+from stockade.policy.agent import COMMAND_TOOLS
 
 __all__ = ["AuditObserver"]
 
@@ -94,11 +95,15 @@ def _plain(value: JsonValue) -> JsonValue:
     return value
 
 
-def _args(asked: Mapping[str, JsonValue], redactor: Redactor) -> dict[str, JSONValue]:
+def _args(tool: str, asked: Mapping[str, JsonValue], redactor: Redactor) -> dict[str, JSONValue]:
     """The attributes that record a call's arguments: ``args``, cut past ``ARGS_CAP`` (what is
-    cut is redacted first; the size and digest are of the arguments as asked)."""
+    cut is redacted first; the size and digest are of the arguments as asked). A command
+    tool's ``command`` is a shell's script (``ShellText``): redacted word by word."""
     size, digest = args_measure(asked)
     args = {plain(key): _plain(value) for key, value in asked.items()}
+    command = args.get("command")
+    if tool in COMMAND_TOOLS and isinstance(command, str):
+        args["command"] = ShellText(command)
     if size <= ARGS_CAP:
         return {"args": args}
     share = ARGS_CAP // max(min(len(args), ARGS_KEYS), 1)
@@ -216,7 +221,7 @@ class AuditObserver:
                         "reason": self._cap(event.reason),
                         "tool": event.call.name,
                         "call_id": event.call.id,
-                        **_args(event.call.args, self.log.redactor),
+                        **_args(event.call.name, event.call.args, self.log.redactor),
                     },
                 )
             case ToolReturned() | ToolRejected():
@@ -230,7 +235,7 @@ class AuditObserver:
                     actor="check",
                     duration_s=c.duration_s,
                     attributes={
-                        "command": self._cap(c.command),
+                        "command": self._cap(ShellText(c.command)),  # what the shell ran
                         "passed": c.passed,
                         "exit_code": c.exit_code,
                         "timed_out": c.timed_out,
@@ -310,7 +315,7 @@ class AuditObserver:
             attributes={
                 "tool": r.call.name,
                 "call_id": r.call.id,
-                **_args(r.call.args, self.log.redactor),
+                **_args(r.call.name, r.call.args, self.log.redactor),
                 **({} if r.call.malformed is None else {"malformed": self._cap(r.call.malformed)}),
                 "idempotency_key": r.idempotency_key,
                 "is_error": r.is_error,

@@ -22,6 +22,11 @@ what a command did, never hidden. A private key block ends at its END line, or a
 line a key's body does not hold. ``flag_value`` finds a flag's value given as an argv word of
 its own (``["--password", "x"]``).
 
+A command's text (``ShellText``: ``sh -c``'s script, a command tool's ``command``) is read as
+the shell reads it, from its start through its quotes (``Redactor.shell``): the patterns are
+applied to each of its words alone, since a regex cannot tell a quote that opens a value from
+one that closes an earlier string (``X="PASSWORD="ab rm -rf src""`` runs ``rm``).
+
 A text someone cut before it reached the redactor (a sandbox caps the words of an exec it
 reports) may end with half a credential, which no pattern and no registered value matches:
 ``Redactor.head`` replaces what at its end may begin one (``TAIL_PATTERNS``, a registered
@@ -61,6 +66,7 @@ __all__ = [
     "TOKEN_PATTERNS",
     "Redactor",
     "SecretValues",
+    "ShellText",
     "StringProcessor",
     "flag_value",
     "redact_personal_data",
@@ -309,6 +315,151 @@ def flag_value(before: str, word: str) -> str | None:
     return None if user is None else user.group(1) + "[REDACTED:user_password]"
 
 
+class ShellText(str):
+    """A text a shell runs (``sh -c``'s script, a command tool's ``command``): a ``Redactor``
+    replaces only inside each word the shell reads in it, never across one (``Redactor.shell``).
+    It stays one when redacted and cut, so that the log's own pass over an event reads it so too.
+    """
+
+    __slots__ = ()
+
+
+# Why a reader of our own: ``shlex`` gives no positions, knows no ``$(...)`` nor backticks, and
+# takes ``#`` and ``;`` for words. A regex cannot tell a quote that opens a value from one that
+# closes an earlier string: ``X="PASSWORD="ab rm -rf src""`` runs ``rm``, and the whole-text
+# pass recorded ``X="PASSWORD="[REDACTED:quoted_assignment]""``.
+_ENDS = frozenset(" \t\n;&|<>()")  # what ends a word that is not quoted: a blank, an operator
+# A run of characters no shell ends a word in, whatever the quoting: no blank, operator or
+# backtick, and a backslash takes the next character but a newline (what it escapes, or
+# inside quotes what is quoted too). Every such run lies inside one word the shell reads.
+_RUN = re.compile(r"(?:[^\s;&|<>()`\\]|\\[^\n])+")
+# A word whose value is the next word: a credential's flag, curl's user, an HTTP scheme, the
+# word password, a name given with ``:`` or ``=>`` (never ``NAME= x``: the shell runs ``x``).
+_VALUE_NEXT = re.compile(
+    rf"--?[\w\-]*(?i:{_NAMES})|-u|--user|[Bb]earer|Basic|Token|(?i:password|passwd|passphrase)"
+    rf"|\S*(?i:{_NAMES})\\?[\"']?(?:=>|:)"
+)
+
+
+class _Unread(Exception):
+    """A text whose words this reader may not read as the shell does (private: never raised
+    out of ``_shell_pieces``)."""
+
+
+def _shell_pieces(text: str) -> list[tuple[int, int]]:
+    """The spans of ``text``, a shell's script, that are redacted each alone: each word the
+    shell reads (with its quotes), a credential's flag with the word after it, and in a word
+    holding ``$(...)`` or backticks the parts around them and the words inside.
+
+    A text this reader may misread (an unclosed quote, ``$'...'`` which bash and dash read
+    apart, a here-document, ``case`` inside ``$(...)``) is cut into runs no shell ends a word in
+    (``_RUN``) instead; never the whole text: a shell runs the lines before the one it cannot
+    parse, and a value the regexes took past a quote they misread hid them."""
+    try:
+        segments = _segments(text, 0, nested=False)[0]
+    except _Unread:
+        return [match.span() for match in _RUN.finditer(text)]
+    pieces: list[tuple[int, int]] = []
+    at = 0
+    while at < len(segments):
+        start, end, whole = segments[at]
+        if whole and at + 1 < len(segments) and _VALUE_NEXT.fullmatch(text, start, end):
+            after, last, next_whole = segments[at + 1]
+            if next_whole and not text[end:after].strip(" \t") and text[after] != "-":
+                pieces.append((start, last))
+                at += 2
+                continue
+        pieces.append((start, end))
+        at += 1
+    return pieces
+
+
+def _segments(text: str, i: int, *, nested: bool) -> tuple[list[tuple[int, int, bool]], int]:
+    """``(start, end, whole)`` of the words from ``i`` (``whole``: a word with no substitution
+    in it), up to the end, or when ``nested`` up to the ``)`` that closes a ``$(``; and where
+    that stopped."""
+    out: list[tuple[int, int, bool]] = []
+    depth = 0
+    while i < len(text):
+        char = text[i]
+        if char == "#":  # a comment, to the end of its line: not run, but it may hold a secret
+            end = text.find("\n", i)
+            end = len(text) if end < 0 else end
+            out.append((i, end, False))
+            i = end
+            continue
+        if char not in _ENDS:
+            start = i
+            i = _word(text, i, out)
+            if nested and text[start:i] == "case":  # its patterns end in a ")" of their own
+                raise _Unread
+            continue
+        if text.startswith("<<", i) and not text.startswith("<<<", i):
+            raise _Unread  # a here-document's lines are no words of the script
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            if nested and depth == 0:
+                return out, i + 1
+            depth -= 1
+        i += 1
+    if nested:
+        raise _Unread
+    return out, i
+
+
+def _word(text: str, i: int, out: list[tuple[int, int, bool]]) -> int:
+    """Reads the word at ``i`` into ``out``; where it ends."""
+    start = part = i
+    whole, quoted = True, False  # quoted: inside "..."
+    while i < len(text):
+        char = text[i]
+        if not quoted and char in _ENDS:
+            break
+        if char == "\\":
+            i += 2
+        elif char == "'" and not quoted:
+            end = text.find("'", i + 1)
+            if end < 0 or text.startswith("$'", i - 1):
+                raise _Unread
+            i = end + 1
+        elif char == '"':
+            quoted, i = not quoted, i + 1
+        elif text.startswith("$(", i) or char == "`":
+            if part < i:
+                out.append((part, i, False))
+            whole = False
+            i = _backticks(text, i, out, quoted=quoted) if char == "`" else _nested(text, i + 2, out)
+            part = i
+        else:
+            i += 1
+    if quoted:
+        raise _Unread
+    i = min(i, len(text))
+    if part < i:
+        out.append((start if whole else part, i, whole))
+    return i
+
+
+def _nested(text: str, i: int, out: list[tuple[int, int, bool]]) -> int:
+    """Reads the words of the ``$(...)`` whose script starts at ``i``; where it ends."""
+    inner, end = _segments(text, i, nested=True)
+    out.extend(inner)
+    return end
+
+
+def _backticks(text: str, i: int, out: list[tuple[int, int, bool]], *, quoted: bool) -> int:
+    """Reads the command in the backticks at ``i`` as runs (``_RUN``); where it ends. Inside
+    double quotes, the shells read quotes in it apart: such a text is not read."""
+    end = i + 1
+    while end < len(text) and text[end] != "`":
+        end += 2 if text[end] == "\\" else 1
+    if end >= len(text) or (quoted and any(q in text[i + 1 : end] for q in "'\"")):
+        raise _Unread
+    out.extend((*match.span(), False) for match in _RUN.finditer(text, i + 1, end))
+    return end + 1
+
+
 # name -> pattern, replaced by [REDACTED:name] (cards only when their digits pass Luhn's check)
 PERSONAL_DATA_PATTERNS: dict[str, str] = {
     "email": r"\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b",
@@ -477,9 +628,27 @@ class Redactor:
         return twin
 
     def text(self, text: str) -> str:
+        if isinstance(text, ShellText):
+            return self.shell(text)
         if "characters cut" in text and CUT_MARK.search(text):
             return self._across_cuts(text)
         return self._text(text)
+
+    def shell(self, text: str, *, was_cut: bool = False) -> ShellText:
+        """``text``, a shell's script, redacted word by word (``_shell_pieces``): a value ends
+        where the shell ends its word, whatever quote a regex would have read it to. A
+        registered secret is replaced wherever it is first: it is the caller's own value, and
+        hides nothing but itself. ``was_cut``: ``text`` ends where someone cut it (``head``)."""
+        if self.secrets in self.processors:
+            text = self.secrets(text)
+        out: list[str] = []
+        done = 0
+        for start, end in _shell_pieces(text):
+            piece = text[start:end]
+            out += [text[done:start], self.head(piece) if was_cut and end == len(text) else self._text(piece)]
+            done = end
+        out.append(text[done:])
+        return ShellText("".join(out))
 
     def _across_cuts(self, text: str) -> str:
         """``text`` whose middle was cut (``cut_marker``), redacted piece by piece: what ends at
@@ -542,8 +711,14 @@ class Redactor:
         """``text`` redacted, then cut to ``cap`` characters (saying how many more there were).
         In that order: a cut first can keep a credential's prefix that no pattern knows.
         ``was_cut``: someone already cut ``text`` at its end before it came here (``head``)."""
-        out = self.head(text) if was_cut else self.text(text)
-        return out if len(out) <= cap else out[:cap] + f"…[{len(out) - cap} more chars]"
+        if isinstance(text, ShellText):
+            out: str = self.shell(text, was_cut=was_cut)
+        else:
+            out = self.head(text) if was_cut else self.text(text)
+        if len(out) <= cap:
+            return out
+        kept = out[:cap] + f"…[{len(out) - cap} more chars]"
+        return ShellText(kept) if isinstance(text, ShellText) else kept
 
     def head(self, text: str) -> str:
         """``text`` redacted, where ``text`` is the head of a longer one that was cut before

@@ -34,7 +34,7 @@ from stockade import exceptions as exc
 from stockade._cuts import plain
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
-from stockade.audit.redact import Redactor, flag_value
+from stockade.audit.redact import Redactor, ShellText, flag_value
 from stockade.sandbox.base import (
     Backend,
     Instance,
@@ -61,7 +61,15 @@ from stockade.sandbox.ops import (
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_RECORDS, MAX_EXEC_REPORT
 from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs, Snapshot
 
-__all__ = ["CHECK_CALL", "AuditedBackend", "AuditedInstance", "current_actor", "current_call", "exec_word"]
+__all__ = [
+    "CHECK_CALL",
+    "AuditedBackend",
+    "AuditedInstance",
+    "current_actor",
+    "current_call",
+    "exec_word",
+    "script_at",
+]
 
 # The tool call whose work runs now (set by the agent): the execs its code starts name it.
 current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_call", default=None)
@@ -130,15 +138,49 @@ def _cut(redactor: Redactor) -> Callable[[str], str]:
 _WORD_CUT = re.compile(r"\[\.\.\. [0-9]+ more characters; the word is sha256 [0-9a-f]{64}\]\Z")
 
 
-def exec_word(redactor: Redactor, word: str) -> str:
+def exec_word(redactor: Redactor, word: str, script: bool = False) -> str:
     """A word of an exec the sandbox reported, redacted: a word it cut (to ``MAX_EXEC_WORD``
     characters, before any redactor saw it) may end with the head of a credential, which
-    ``Redactor.head`` holds back; the sandbox's mark stays."""
+    ``Redactor.head`` holds back; the sandbox's mark stays. ``script``: the word is a shell's
+    script (``script_at``), redacted word by word (``Redactor.shell``)."""
     word = plain(word)
     mark = _WORD_CUT.search(word)
     if mark is None:
-        return redactor.cut(word, TEXT_CAP)
-    return redactor.cut(word[: mark.start()], TEXT_CAP, was_cut=True) + mark.group()
+        return redactor.cut(ShellText(word) if script else word, TEXT_CAP)
+    head = word[: mark.start()]
+    kept = redactor.cut(ShellText(head) if script else head, TEXT_CAP, was_cut=True) + mark.group()
+    return ShellText(kept) if script else kept
+
+
+def _word(redactor: Redactor, word: str, script: bool = False) -> str:
+    """A word of a list the caller gave, redacted (see ``exec_word``)."""
+    word = plain(word)
+    return redactor.text(ShellText(word) if script else word)
+
+
+# The shells whose ``-c`` takes a script (``sh -c``, ``bash -lc``): what commands.run and the
+# command tools run a command text with.
+_SHELLS = frozenset({"sh", "bash", "dash", "ash", "ksh", "mksh", "zsh"})
+
+
+def script_at(argv: Sequence[str]) -> int | None:
+    """Where in ``argv`` the script of a shell's ``-c`` is (``["/bin/sh", "-c", SCRIPT]``, ``-lc``,
+    ``-e -c``); ``None`` when it runs none."""
+    if not argv or argv[0].rsplit("/", 1)[-1] not in _SHELLS:
+        return None
+    for at, word in enumerate(argv[1:], 1):
+        if not word.startswith("-") or word == "--":
+            return None
+        if "c" in word[1:] and not word.startswith("--"):
+            return at + 1 if at + 1 < len(argv) else None
+    return None
+
+
+def _cut_word(word: str, share: int) -> str:
+    if len(word) <= share:
+        return word
+    kept = word[:share] + f"…[{len(word) - share} more chars]"
+    return ShellText(kept) if isinstance(word, ShellText) else kept
 
 
 def _digest(data: bytes) -> str:
@@ -154,7 +196,7 @@ def _words(
     name: str,
     words: Sequence[str],
     redactor: Redactor,
-    redact: Callable[[str], str] | None = None,
+    redact: Callable[[str, bool], str] | None = None,
     *,
     argv: bool = False,
 ) -> dict[str, object]:
@@ -164,12 +206,13 @@ def _words(
     word redacted whole, then cut: a cut first can keep a credential's prefix); ``redact``
     instead of ``redactor.text`` for words someone cut before (an exec's, ``exec_word``).
     ``argv``: the words are a command's, where a credential's flag may be one word and its
-    value the next (``flag_value``)."""
-    redact = redact or (lambda word: redactor.text(plain(word)))
+    value the next (``flag_value``), or a shell's script (``script_at``)."""
+    redact = redact or partial(_word, redactor)
+    script = script_at(words) if argv else None
 
     def one(at: int) -> str:
         hidden = flag_value(words[at - 1], words[at]) if argv and at else None
-        return redact(words[at] if hidden is None else hidden)
+        return redact(words[at] if hidden is None else hidden, at == script)
 
     if sum(map(len, words)) <= TEXT_CAP:
         whole = [one(at) for at in range(len(words))]
@@ -184,9 +227,7 @@ def _words(
             share = room // (len(chosen) - at)
             break
         room -= n
-    kept = [
-        word if len(word) <= share else word[:share] + f"…[{len(word) - share} more chars]" for word in chosen
-    ]
+    kept = [_cut_word(word, share) for word in chosen]
     if omitted := len(words) - head - tail:
         kept.insert(head, f"…[{omitted} more words]")
     raw = words_json(words)
@@ -280,12 +321,14 @@ def starting(kind: EventKind, attributes: Mapping[str, object]) -> dict[str, obj
     argv = attributes.get("argv")
     if isinstance(argv, list):
         argc = attributes.get("argv_count", len(argv))
-        out.update(argv=[_short(str(word)) for word in argv[:START_WORDS]], argc=argc)
+        out.update(
+            argv=[
+                _cut_word(word if isinstance(word, str) else str(word), START_CAP)
+                for word in argv[:START_WORDS]
+            ],
+            argc=argc,
+        )
     return out
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= START_CAP else text[:START_CAP] + f"…[{len(text) - START_CAP} more chars]"
 
 
 def _spell(rule: HostRule) -> str:

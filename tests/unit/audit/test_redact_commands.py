@@ -10,6 +10,10 @@ A second tester found more: a private key's header hid the rest of the text, a J
 a backslash and a single quote for an escape and ran out of the shell's single quotes, a second
 cut mark right after a first was still read as a cut, and a password holding a character the
 shell escapes with a backslash (a ``$``, a ``;``) was kept in clear.
+
+A regex cannot tell a quote that opens a value from one that closes an earlier string:
+``X="PASSWORD="ab rm -rf src""`` runs ``rm``, and was recorded as ``X="PASSWORD="[REDACTED:
+quoted_assignment]""``. A command's text is now read as the shell reads it, word by word.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from stockade._cuts import cut_marker, plain
 from stockade.agent import Agent
 from stockade.audit import AuditedBackend, EventKind
 from stockade.audit.agent import AuditObserver
-from stockade.audit.redact import CUT_REDACTED, Redactor, redact_tokens
+from stockade.audit.redact import CUT_REDACTED, Redactor, ShellText, redact_tokens
 from stockade.models.scripted import ScriptedModel
 from stockade.sandbox import Sandbox
 from stockade.sandbox.ops import RunCommand
@@ -87,6 +91,54 @@ def _argvs(audit: CapturedAudit, argv: str | list[str]) -> list[list[str]]:
     kinds = (EventKind.OP_START, EventKind.COMMAND, EventKind.EXEC)
     argvs = [e.attributes["argv"] for k in kinds for e in audit.of(k)]
     return [list(map(str, argv)) for argv in argvs if isinstance(argv, list)]
+
+
+# A quote that looks like it opens a value but closes an earlier string: the shell runs the rm.
+CLOSERS = [
+    'X="PASSWORD="ab rm -rf src""',
+    'eval "TOKEN="abcd rm -rf src""',
+    'echo "{"password": "ab cd; rm -rf src; x"}"',
+    'X="$(echo "PASSWORD="ab; rm -rf src)"',
+]
+
+
+@pytest.mark.parametrize("command", CLOSERS)
+def test_a_quote_that_closes_a_string_hides_no_command(command: str) -> None:
+    with capture_audit() as audit:
+        argvs = _argvs(audit, command)
+    assert len(argvs) == 3  # op_start, command, and the exec of the shell
+    for argv in argvs:
+        assert "rm -rf src" in argv[2], argv
+
+
+@pytest.mark.parametrize("command", CLOSERS)
+def test_a_command_tool_s_command_hides_no_command_behind_a_closing_quote(command: str) -> None:
+    with capture_audit() as audit, Sandbox.create(backend=FakeBackend()) as sbx:
+        Agent(
+            ScriptedModel([tool_call("run_tests", {"command": command}), "done"]),
+            observers=[AuditObserver(audit)],
+        ).run_sync("test", sandbox=sbx, run_id="r")
+    (event,) = audit.of(EventKind.TOOL_CALL)
+    args = event.attributes["args"]
+    assert isinstance(args, dict) and "rm -rf src" in str(args["command"])
+
+
+@pytest.mark.parametrize(
+    ("command", "secret"),
+    [
+        ('PASSWORD="a b c d" psql', "a b c d"),
+        ("export TOKEN=Zq9hunter2x && make", "Zq9hunter2x"),
+        ("mysql --password Xy\\;9kLm2qZ", "9kLm2qZ"),
+        ('curl -d \'{"password": "a b c d"}\' https://h', "a b c d"),
+        ('cli --api-key "Zq9 hunter2"', "Zq9 hunter2"),
+        ("curl -u deploy:hunter2x https://h", "hunter2x"),
+        ('X="PASSWORD="abcdef rm -rf src""', "abcdef"),  # X holds PASSWORD=abcdef
+        ("echo $(login --token Zq9hunter2x)", "Zq9hunter2x"),
+    ],
+)
+def test_a_secret_in_a_command_is_redacted_inside_its_word(command: str, secret: str) -> None:
+    out = Redactor().text(ShellText(command))
+    assert secret not in out and "[REDACTED:" in out
 
 
 def test_a_command_hidden_behind_a_flag_s_value_is_in_every_event() -> None:
@@ -253,6 +305,17 @@ OPENERS = [
     ("echo -----BEGIN PRIVATE KEY-----", ""),
     ("echo -----BEGIN RSA PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n", ""),
     ("true\n[… 1 characters cut …]\n[… 2 characters cut …]\necho", ""),
+    ('X="$(echo "PASSWORD="', ')"'),
+]
+# A text shaped like a secret's beginning whose last quote closes a string, and what the
+# command ends with: the shell runs what follows the value, up to that end.
+CLOSING = [
+    ('X="PASSWORD="', '""'),
+    ('eval "TOKEN="', '""'),
+    ('echo "{"password": "', '"}"'),
+    ("echo '--token '", "''"),
+    ("X='passphrase='", "''"),
+    ('echo "$(echo "Bearer "', ')"'),
 ]
 # What then runs a command: a separator, or a substitution (what opens it, what closes it).
 SEPARATORS = [(";", ""), (" ; ", ""), ("&&", ""), ("||", ""), ("|", ""), ("&", ""), ("\n", "")]
@@ -278,4 +341,19 @@ def test_a_command_after_a_secret_s_shape_is_always_recorded(
     if backslash and close == "'":  # ... and in single quotes, one that is a character of its own
         value += "\\"
     command = f"{before}{value}{close}{open_}echo MARKER > f{end}"
-    assert "echo MARKER > f" in Redactor().text(plain(command)), command
+    assert "echo MARKER > f" in Redactor().text(ShellText(plain(command))), command
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    opener=st.sampled_from(CLOSING),
+    value=st.lists(PIECES, max_size=4).map("".join),
+    separator=st.sampled_from(SEPARATORS),
+)
+def test_a_command_after_a_quote_that_closes_a_string_is_always_recorded(
+    opener: tuple[str, str], value: str, separator: tuple[str, str]
+) -> None:
+    """``X="PASSWORD="ab;echo MARKER > f""``: the shell runs the echo, and the trail shows it."""
+    (before, end_), (open_, end) = opener, separator
+    command = f"{before}{value}{open_}echo MARKER > f{end}{end_}"
+    assert "echo MARKER > f" in Redactor().text(ShellText(command)), command
