@@ -481,8 +481,8 @@ class ExecJudge:
             real = os.path.realpath(target)
             try:
                 now = os.stat(real)
-            except OSError:
-                return None
+            except OSError:  # a name no file has (a descriptor's: "memfd:x (deleted)"): not kept
+                return os.path.basename(real)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 return None
             if len(self._names) > 4096:
