@@ -68,7 +68,7 @@ def collect(state_dir: Path, *, now: float | None = None) -> list[str]:
         elif name.startswith(_PARTIAL):
             if _used_at(path) < now - 3600.0:
                 _remove(path)
-        elif _BUILT.fullmatch(name) and str(path) not in _used and _take_away(path, before):
+        elif _BUILT.fullmatch(name) and str(path) not in _used and take_away(path, before):
             removed.append(f"build {name}")
     return removed
 
@@ -101,19 +101,18 @@ def _oldest_sandbox(entries: list[Path], now: float) -> float:
     return oldest
 
 
-def _take_away(path: Path, before: float) -> bool:
-    """Remove ``path`` if it was last used ``before``: renamed out of the way first, so a
-    start sees the whole build or none (and makes it again); one a start marked between
-    our look and the rename is put back."""
-    seen = _used_at(path)
-    if seen >= before:
+def take_away(path: Path, before: float, aside: Path | None = None) -> bool:
+    """Remove ``path`` (a build, a masked copy) if it was last used ``before``: renamed to
+    ``aside`` first, so a start sees the whole of it or none (and makes it again); one a use
+    marked between our look and the rename is put back."""
+    if _used_at(path) >= before:
         return False
-    hidden = path.with_name(f"{_REMOVING}{path.name}-{secrets.token_hex(4)}")
+    hidden = aside or path.with_name(f"{_REMOVING}{path.name}-{secrets.token_hex(4)}")
     try:
         os.rename(path, hidden)
     except OSError:
-        return False  # gone meanwhile
-    if _used_at(hidden) != seen:
+        return False  # gone meanwhile, or another is removing it
+    if _used_at(hidden) >= before:
         with contextlib.suppress(OSError):  # else made again meanwhile: ours goes
             os.rename(hidden, path)
             return False

@@ -28,6 +28,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._globs import may_hold
+from stockade.sandbox._builds import take_away
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.supervisor import execrules
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS, MAX_EXEC_WORD
@@ -686,22 +687,9 @@ _COPY_NAME = re.compile(r"masked-[0-9a-f]{16}-([0-9]{1,9})")
 
 
 def _remove_copy(copy: Path, used_before: float) -> bool:
-    """Remove ``copy`` unless a use touched it since ``used_before``: renamed aside first, so
-    that a use from now on finds it gone (``_touch`` fails, and it is built again), then its
-    time read again, for a use that touched it between."""
-    aside = copy.with_name(f".masked-removing-{copy.name}-{os.getpid()}")
-    try:
-        os.rename(copy, aside)
-    except OSError:
-        return False  # another removed it, or is removing it
-    try:
-        if aside.stat().st_mtime > used_before:
-            os.rename(aside, copy)  # in use after all
-            return False
-    except OSError:
-        pass  # built again while it was aside: the new one stays
-    shutil.rmtree(aside, ignore_errors=True)
-    return True
+    """Remove ``copy`` unless a use touched it since ``used_before`` (``_builds.take_away``:
+    a use from then on finds it gone, ``_touch`` fails, and it is built again)."""
+    return take_away(copy, used_before, copy.with_name(f".masked-removing-{copy.name}-{os.getpid()}"))
 
 
 # A copy is evicted to make room only when unused for longer than this: a use in the last
