@@ -50,8 +50,10 @@ __all__ = ["START_GRACE_S", "Due", "Waker", "Wakes", "wake_statement"]
 log = logging.getLogger("stockade.wakes")
 
 # When a waker first looks at a run that started (the runner holds its lease by then: taken
-# before it marks the run running); a missing lease then is a dead worker's.
-START_GRACE_S = 30.0
+# before it marks the run running); a missing lease then is a dead worker's. Short: a worker
+# that died in a run's first seconds left it ~32 s at 30 s, not the ~20 s of one that died
+# later; a look is one query, which a run that ends sooner never costs.
+START_GRACE_S = 5.0
 # A run sent that is still waiting this long after (its message lost with a process that died
 # right after the send, or behind a long backlog) is sent once more.
 RESEND_S = 300.0
