@@ -216,6 +216,8 @@ class MemoryWorkspace:
     def _is_dir(self, path: str) -> bool:
         if path == "" or path in self.dirs:
             return True
+        if path in self.files:  # a file, not also a folder unless made one: no scan of every file
+            return False  # (each read of one scanned them all: quadratic in a workspace's files)
         prefix = path + "/"
         return any(k.startswith(prefix) for k in self.files) or any(d.startswith(prefix) for d in self.dirs)
 
