@@ -2,7 +2,9 @@
 tier): a sandbox, its snapshots and its pause, and a run, belong to the role that made them. The tenant's
 policy keeps a data class (``records/**``) to role ``admin``; a ``dev`` token finds none of
 what an admin token made (404 on every route, as for another tenant's ids), while a second
-token of role ``admin`` uses it all, and the audit trail names the token of each call."""
+token of role ``admin`` uses it all, and the audit trail names the token of each call. A role's
+``tools`` hold over the sandbox API: each call is refused (403) where the tool it amounts to is
+not the role's."""
 
 from __future__ import annotations
 
@@ -49,6 +51,15 @@ write = ["admin"]
 tiers = ["process"]
 [roles.dev]
 tiers = ["process"]
+[roles.reader]
+tiers = ["process"]
+tools = ["read_file", "list_files"]
+[roles.coder]
+tiers = ["process"]
+tools = ["read_file", "run_code"]
+[roles.searcher]
+tiers = ["process"]
+tools = ["search_web"]
 """
 
 
@@ -61,6 +72,9 @@ class Acme:
     second_admin: str
     second_admin_id: str
     dev: str
+    reader: str  # tools: read_file, list_files
+    coder: str  # tools: read_file, run_code
+    searcher: str  # a tool of its own, none a sandbox's call amounts to
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +87,23 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     admin, admin_record = new_token("acme", "admin")
     second, second_record = new_token("acme", "admin")
     dev, dev_record = new_token("acme", "dev")
+    reader, reader_record = new_token("acme", "reader")
+    coder, coder_record = new_token("acme", "coder")
+    searcher, searcher_record = new_token("acme", "searcher")
+    records = (admin_record, second_record, dev_record, reader_record, coder_record, searcher_record)
     empty = Tenants(tenants={}, tokens={})
     (folder / "tenants.toml").write_text(
         '[tenants.acme]\npolicy = "policy.toml"\nsandboxes = 4\ncpus = 4\nmemory_mb = 4096\n\n'
-        + "\n".join(empty.toml_lines(r) for r in (admin_record, second_record, dev_record))
+        + "\n".join(empty.toml_lines(r) for r in records)
     )
     server = Server(
         folder / "tenants.toml", f"sqlite:///{folder / 'service.db'}", folder,
         extra=["--snapshot-dir", str(folder / "snapshots")],
     )  # fmt: skip
     try:
-        yield Acme(server, folder, admin, admin_record.id, second, second_record.id, dev)
+        yield Acme(
+            server, folder, admin, admin_record.id, second, second_record.id, dev, reader, coder, searcher
+        )
     finally:
         server.stop()
     assert server.proc.returncode in (0, -15), server.output()[-3000:]
@@ -101,6 +121,21 @@ def statuses(acme: Acme, token: str, calls: list[Call]) -> dict[str, int]:
         for method, path, how in calls:
             call = f"{method} {path} {json.dumps(how['json'])}" if "json" in how else f"{method} {path}"
             found[call] = http.request(method, path, **how).status_code  # type: ignore[arg-type]
+    return found
+
+
+def answers(acme: Acme, token: str, calls: list[Call]) -> dict[str, tuple[int, str | None]]:
+    """Each call's status code and the rule its refusal names (None: none), as ``statuses``."""
+    headers = {"Authorization": f"Bearer {token}"}
+    found = {}
+    with httpx2.Client(base_url=acme.server.url, headers=headers, timeout=30) as http:
+        for method, path, how in calls:
+            call = f"{method} {path} {json.dumps(how['json'])}" if "json" in how else f"{method} {path}"
+            answer = http.request(method, path, **how)  # type: ignore[arg-type]
+            problem = (
+                answer.json() if answer.headers.get("content-type") == "application/problem+json" else {}
+            )
+            found[call] = (answer.status_code, problem.get("rule"))
     return found
 
 
@@ -400,3 +435,58 @@ def test_the_operator_lists_and_deletes_the_workspaces_that_name_no_role(acme: A
         listed = cli.invoke(app, ["workspaces", "list", *where, "--json"])
         assert [w["id"] for w in json.loads(listed.output)] == [mine]
         admin.delete_workspace(mine)
+
+
+def test_a_role_of_read_tools_reads_its_sandbox_and_writes_or_runs_nothing_by_any_route(acme: Acme) -> None:
+    with Client(acme.server.url, acme.reader) as reader:
+        with RemoteSandbox.create("process", limits=LIMITS, client=reader) as sbx:  # its tools use one
+            base = f"/v1/sandboxes/{sbx.id}"
+            snap = sbx.snapshot()  # read_file: the files go to the host's store, not to the caller
+            made: dict[str, object] = {"params": {"path": "made.txt"}}
+            refused = answers(acme, acme.reader, [
+                ("POST", f"{base}/code", {"json": {"code": "open('made.txt', 'w')"}}),
+                ("POST", f"{base}/code", {"json": {"code": "open('made.txt', 'w')", "stream": True}}),
+                ("POST", f"{base}/commands", {"json": {"cmd": "touch made.txt"}}),
+                ("POST", f"{base}/commands", {"json": {"cmd": "touch made.txt", "stream": True}}),
+                ("PUT", f"{base}/files/content", {**made, "content": b"written"}),
+                ("POST", f"{base}/files/dir", made),
+                ("DELETE", f"{base}/files", made),
+                ("PUT", f"{base}/archive", {"content": b""}),
+                ("POST", f"{base}/reset", {}),
+                ("POST", f"{base}/pause", {}),
+                ("POST", f"{base}/resume", {}),
+                ("POST", "/v1/sandboxes", {"json": {"snapshot": snap.id}}),
+            ])  # fmt: skip
+            assert refused == dict.fromkeys(refused, (403, "roles.reader.tools"))
+            allowed = answers(acme, acme.reader, [
+                ("GET", f"{base}/files", {}),
+                ("GET", f"{base}/files/stat", {"params": {"path": "."}}),
+                ("GET", f"{base}/files/content", made),
+                ("GET", f"{base}/archive", {}),
+                ("GET", base, {}),
+            ])  # fmt: skip
+            assert list(allowed.values()) == [(200, None), (200, None), (404, None), (200, None), (200, None)]
+            assert sbx.alive and sbx.files.list("") == []  # nothing made, nothing emptied
+        reader.delete_snapshot(snap)
+        assert reader.sandboxes() == [] and reader.snapshots() == []
+
+
+def test_a_role_with_run_code_runs_code_and_no_command(acme: Acme) -> None:
+    with (
+        Client(acme.server.url, acme.coder) as coder,
+        RemoteSandbox.create("process", limits=LIMITS, client=coder) as sbx,
+    ):
+        assert sbx.run_code("print(6 * 7)").logs.stdout.strip() == "42"
+        with pytest.raises(exc.PolicyDenied) as denied:
+            sbx.commands.run("echo raw shell")
+        assert denied.value.rule == "roles.coder.tools" and "shell" in str(denied.value)
+        with pytest.raises(exc.PolicyDenied):
+            sbx.files.write("a.txt", "written")
+
+
+def test_a_role_with_no_tool_a_sandbox_serves_creates_none(acme: Acme) -> None:
+    with Client(acme.server.url, acme.searcher) as searcher:
+        with pytest.raises(exc.PolicyDenied) as denied:
+            RemoteSandbox.create("process", limits=LIMITS, client=searcher)
+        assert denied.value.rule == "roles.searcher.tools"
+        assert searcher.sandboxes() == []  # nothing started, nothing held against the quota

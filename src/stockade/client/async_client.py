@@ -56,11 +56,17 @@ class AsyncRemoteRun:
         return str(self.info["run_id"])
 
     @property
+    def _at(self) -> str:
+        """Its path in the API: the id the service gave, one segment of it (a ``/`` or ``..``
+        in it names no other resource)."""
+        return f"/v1/runs/{segment(self.id, 'run_id')}"
+
+    @property
     def status(self) -> str:
         return str(self.info["status"])
 
     async def refresh(self) -> AsyncRemoteRun:
-        return self._is((await self.client.http.request("GET", f"/v1/runs/{self.id}")).json())
+        return self._is((await self.client.http.request("GET", self._at)).json())
 
     async def wait(
         self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True
@@ -80,7 +86,7 @@ class AsyncRemoteRun:
     async def events(self, *, after: int = 0) -> AsyncIterator[RunEvent]:
         """The run's events as they happen, until it ends or pauses (Server-Sent Events)."""
         async with self.client.http.stream(
-            "GET", f"/v1/runs/{self.id}/events", params={"after": after}, timeout=None
+            "GET", f"{self._at}/events", params={"after": after}, timeout=None
         ) as response:
             lines = EventLines(self.client.http.url)
             async for line in self.client.http.lines(response):
@@ -91,9 +97,7 @@ class AsyncRemoteRun:
                         return
 
     async def approvals(self) -> list[dict[str, str]]:
-        found: list[dict[str, str]] = (
-            await self.client.http.request("GET", f"/v1/runs/{self.id}/approvals")
-        ).json()
+        found: list[dict[str, str]] = (await self.client.http.request("GET", f"{self._at}/approvals")).json()
         return found
 
     async def approve(self, request_id: str) -> AsyncRemoteRun:
@@ -103,23 +107,23 @@ class AsyncRemoteRun:
         return await self._decide(request_id, "deny")
 
     async def _decide(self, request_id: str, decision: str) -> AsyncRemoteRun:
-        path = f"/v1/runs/{self.id}/approvals/{segment(request_id, 'request_id')}"
+        path = f"{self._at}/approvals/{segment(request_id, 'request_id')}"
         return self._is((await self.client.http.request("POST", path, json={"decision": decision})).json())
 
     async def kill(self, reason: str = "killed through the API") -> AsyncRemoteRun:
-        path = f"/v1/runs/{self.id}/kill"
+        path = f"{self._at}/kill"
         return self._is((await self.client.http.request("POST", path, json={"reason": reason})).json())
 
     async def resume(self) -> AsyncRemoteRun:
         """See ``RemoteRun.resume``."""
-        return self._is((await self.client.http.request("POST", f"/v1/runs/{self.id}/resume")).json())
+        return self._is((await self.client.http.request("POST", f"{self._at}/resume")).json())
 
     def _is(self, info: object) -> AsyncRemoteRun:
         self.info = run_info(self.client.http.url, info)
         return self
 
     async def diff(self) -> str:
-        return (await self.client.http.request("GET", f"/v1/runs/{self.id}/diff", limit=DIFF_MAX_BYTES)).text
+        return (await self.client.http.request("GET", f"{self._at}/diff", limit=DIFF_MAX_BYTES)).text
 
     async def artifacts(
         self,
@@ -133,7 +137,7 @@ class AsyncRemoteRun:
         unpack = await off_loop(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         inflated = Inflated(unpack.feed)
         try:
-            async with self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response:
+            async with self.client.http.stream("GET", f"{self._at}/artifacts") as response:
                 async for chunk in self.client.http.bulk(response):
                     await off_loop(inflated.feed, chunk)
             await off_loop(inflated.finish)
@@ -148,7 +152,7 @@ class AsyncRemoteRun:
 
     async def delete_artifacts(self) -> None:
         """See ``RemoteRun.delete_artifacts``."""
-        await self.client.http.request("DELETE", f"/v1/runs/{self.id}/artifacts")
+        await self.client.http.request("DELETE", f"{self._at}/artifacts")
 
     async def delete(self) -> None:
         """See ``RemoteRun.delete``."""

@@ -91,7 +91,7 @@ class AsyncRemoteFiles:
 
     @property
     def _base(self) -> str:
-        return f"/v1/sandboxes/{self._sbx.id}"
+        return self._sbx._at
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         return await self._sbx.client.http.request(method, f"{self._base}{path}", **kwargs)
@@ -234,6 +234,12 @@ class AsyncRemoteSandbox:
         return str(self.info["id"])
 
     @property
+    def _at(self) -> str:
+        """Its path in the API: the id the service gave, one segment of it (a ``/`` or ``..``
+        in it names no other resource)."""
+        return f"/v1/sandboxes/{_inputs.segment(self.id, 'sandbox_id')}"
+
+    @property
     def tier(self) -> str:
         return str(self.info["tier"])
 
@@ -255,7 +261,7 @@ class AsyncRemoteSandbox:
     async def _call(
         self, what: str, body: dict[str, Any], on_stdout: TextCallback | None, on_stderr: TextCallback | None
     ) -> dict[str, Any]:
-        path, limit = f"/v1/sandboxes/{self.id}/{what}", result_max_bytes(self.info)
+        path, limit = f"{self._at}/{what}", result_max_bytes(self.info)
         if on_stdout is None and on_stderr is None:
             data: dict[str, Any] = (
                 await self.client.http.request("POST", path, json=body, limit=limit)
@@ -276,17 +282,17 @@ class AsyncRemoteSandbox:
         return execution(await self._call("code", code_body(code, language, timeout_s), on_stdout, on_stderr))
 
     async def reset(self) -> None:
-        await self.client.http.request("POST", f"/v1/sandboxes/{self.id}/reset")
+        await self.client.http.request("POST", f"{self._at}/reset")
 
     async def snapshot(self, *, memory: bool | None = None) -> Snapshot:
         """See ``RemoteSandbox.snapshot``."""
-        path = f"/v1/sandboxes/{self.id}/snapshot"
+        path = f"{self._at}/snapshot"
         response = await self.client.http.request("POST", path, json={"memory": memory})
         return snapshot_value(response.json(), self.client.http.url)
 
     async def pause(self, *, memory: bool | None = None) -> Snapshot:
         """See ``RemoteSandbox.pause``."""
-        path = f"/v1/sandboxes/{self.id}/pause"
+        path = f"{self._at}/pause"
         response = await self.client.http.request("POST", path, json={"memory": memory})
         self._closed = True
         if self._owns_client:
@@ -313,7 +319,7 @@ class AsyncRemoteSandbox:
 
     async def kill(self) -> None:
         """Stop it now, even mid-command (a command in flight ends with ``SandboxClosed``)."""
-        await self.client.http.request("POST", f"/v1/sandboxes/{self.id}/kill")
+        await self.client.http.request("POST", f"{self._at}/kill")
 
     async def close(self) -> None:
         if self._closed:
@@ -321,7 +327,7 @@ class AsyncRemoteSandbox:
         self._closed = True
         try:
             with contextlib.suppress(exc.ResourceNotFound, exc.SandboxClosed):  # closed already (idle, gone)
-                await self.client.http.request("DELETE", f"/v1/sandboxes/{self.id}")
+                await self.client.http.request("DELETE", self._at)
         finally:
             if self._owns_client:
                 await self.client.aclose()

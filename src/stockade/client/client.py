@@ -60,17 +60,28 @@ def settled(status: str, *, until_paused: bool) -> bool:
     return status in _ENDED or (until_paused and status in ("paused", "broken"))
 
 
+# Data lines of one event: the service sends each in one; a stream past this is not its own.
+EVENT_MAX_LINES = 65_536
+
+
 class EventLines:
     """Server-Sent Events, a line at a time, into ``RunEvent``s; ``done`` after ``end``. An
     ``error`` event (the stream's token was taken out meanwhile: the server ends the stream with
     a problem document) raises the SDK error it stands for, as the same answer to a request
     would: a reader must not take a cut stream for a run that paused or ended. An event that
-    is not one (its ``id`` no number, its data no JSON object, over ``limit`` bytes) is a
-    ``ServiceError``."""
+    is not one (its ``id`` no number, its data no JSON object, over ``limit`` bytes or of more
+    than ``max_lines`` data lines) is a ``ServiceError``."""
 
-    def __init__(self, url: str = "", limit: int = ANSWER_MAX_BYTES) -> None:
-        self.url, self.limit = url, limit
-        self.kind, self.seq, self.data = "message", 0, ""
+    def __init__(
+        self, url: str = "", limit: int = ANSWER_MAX_BYTES, max_lines: int = EVENT_MAX_LINES
+    ) -> None:
+        self.url, self.limit, self.max_lines = url, limit, max_lines
+        self.kind, self.seq = "message", 0
+        # An event's data lines, joined once at its end: added to a string a line at a time,
+        # a service splitting one event over a million tiny lines kept the client's CPU busy
+        # for minutes (each line copied all that came before)
+        self._pieces: list[str] = []
+        self._size = 0
         self.done = False
 
     def feed(self, line: str) -> RunEvent | None:
@@ -82,24 +93,35 @@ class EventLines:
                 raise bad_answer(self.url, f"an event whose id is no number ({seq[:40]!r})")
             self.seq = int(seq)
         elif line.startswith("data:"):
-            self.data += line[5:].strip()
-            if len(self.data) > self.limit:
-                raise bad_answer(self.url, f"an event over {self.limit:,} bytes")
-        elif line == "" and self.data:
-            try:
-                data = json.loads(self.data)
-            except ValueError:
-                data = None
-            if not isinstance(data, dict):
-                raise bad_answer(self.url, "an event whose data is no JSON object")
-            event = RunEvent(kind=self.kind, seq=self.seq, data=data)
-            if event.kind == "error" and event.seq == 0:  # not an audit event of that name
-                status = event.data.get("status")
-                raise error_from(event.data, status if isinstance(status, int) else 500)
-            self.done = self.kind == "end"
-            self.kind, self.seq, self.data = "message", 0, ""
-            return event
+            self._add(line[5:].strip())
+        elif line == "" and self._size:
+            return self._event("".join(self._pieces))
+        elif line == "":
+            self._pieces = []  # data lines with nothing in them: no event
         return None
+
+    def _add(self, piece: str) -> None:
+        self._pieces.append(piece)
+        self._size += len(piece)
+        if self._size > self.limit:
+            raise bad_answer(self.url, f"an event over {self.limit:,} bytes")
+        if len(self._pieces) > self.max_lines:  # empty ones too: they add no bytes, yet take memory
+            raise bad_answer(self.url, f"an event of more than {self.max_lines:,} data lines")
+
+    def _event(self, text: str) -> RunEvent:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise bad_answer(self.url, "an event whose data is no JSON object")
+        event = RunEvent(kind=self.kind, seq=self.seq, data=data)
+        if event.kind == "error" and event.seq == 0:  # not an audit event of that name
+            status = event.data.get("status")
+            raise error_from(event.data, status if isinstance(status, int) else 500)
+        self.done = self.kind == "end"
+        self.kind, self.seq, self._pieces, self._size = "message", 0, [], 0
+        return event
 
 
 def run_info(url: str, info: object) -> dict[str, Any]:
@@ -172,13 +194,17 @@ class RemoteRun:
         return str(self.info["run_id"])
 
     @property
+    def _at(self) -> str:
+        """Its path in the API: the id the service gave, one segment of it (a ``/`` or ``..``
+        in it names no other resource)."""
+        return f"/v1/runs/{segment(self.id, 'run_id')}"
+
+    @property
     def status(self) -> str:
         return str(self.info["status"])
 
     def refresh(self) -> RemoteRun:
-        self.info = run_info(
-            self.client.http.url, self.client.http.request("GET", f"/v1/runs/{self.id}").json()
-        )
+        self.info = run_info(self.client.http.url, self.client.http.request("GET", self._at).json())
         return self
 
     def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True) -> RemoteRun:
@@ -198,7 +224,7 @@ class RemoteRun:
     def events(self, *, after: int = 0) -> Iterator[RunEvent]:
         """The run's events as they happen, until it ends or pauses (Server-Sent Events)."""
         with self.client.http.stream(
-            "GET", f"/v1/runs/{self.id}/events", params={"after": after}, timeout=None
+            "GET", f"{self._at}/events", params={"after": after}, timeout=None
         ) as response:
             lines = EventLines(self.client.http.url)
             for line in self.client.http.lines(response):
@@ -209,7 +235,7 @@ class RemoteRun:
                         return
 
     def approvals(self) -> list[dict[str, str]]:
-        found: list[dict[str, str]] = self.client.http.request("GET", f"/v1/runs/{self.id}/approvals").json()
+        found: list[dict[str, str]] = self.client.http.request("GET", f"{self._at}/approvals").json()
         return found
 
     def approve(self, request_id: str) -> RemoteRun:
@@ -219,24 +245,22 @@ class RemoteRun:
         return self._decide(request_id, "deny")
 
     def _decide(self, request_id: str, decision: str) -> RemoteRun:
-        path = f"/v1/runs/{self.id}/approvals/{segment(request_id, 'request_id')}"
+        path = f"{self._at}/approvals/{segment(request_id, 'request_id')}"
         return self._is(self.client.http.request("POST", path, json={"decision": decision}).json())
 
     def kill(self, reason: str = "killed through the API") -> RemoteRun:
-        return self._is(
-            self.client.http.request("POST", f"/v1/runs/{self.id}/kill", json={"reason": reason}).json()
-        )
+        return self._is(self.client.http.request("POST", f"{self._at}/kill", json={"reason": reason}).json())
 
     def resume(self) -> RemoteRun:
         """Resume a run its breaker stopped ("broken"), once someone has looked at why."""
-        return self._is(self.client.http.request("POST", f"/v1/runs/{self.id}/resume").json())
+        return self._is(self.client.http.request("POST", f"{self._at}/resume").json())
 
     def _is(self, info: object) -> RemoteRun:
         self.info = run_info(self.client.http.url, info)
         return self
 
     def diff(self) -> str:
-        return self.client.http.request("GET", f"/v1/runs/{self.id}/diff", limit=DIFF_MAX_BYTES).text
+        return self.client.http.request("GET", f"{self._at}/diff", limit=DIFF_MAX_BYTES).text
 
     def artifacts(
         self,
@@ -253,7 +277,7 @@ class RemoteRun:
         try:
             with (
                 Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
-                self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response,
+                self.client.http.stream("GET", f"{self._at}/artifacts") as response,
             ):
                 inflated = Inflated(unpack.feed)
                 for chunk in self.client.http.bulk(response):
@@ -266,7 +290,7 @@ class RemoteRun:
 
     def delete_artifacts(self) -> None:
         """Forget the run's kept final workspace (its bytes are free of ``storage_mb``)."""
-        self.client.http.request("DELETE", f"/v1/runs/{self.id}/artifacts")
+        self.client.http.request("DELETE", f"{self._at}/artifacts")
 
     def delete(self) -> None:
         """Erase the run (``Runs.delete``)."""

@@ -342,7 +342,7 @@ class RemoteFiles:
 
     @property
     def _base(self) -> str:
-        return f"/v1/sandboxes/{self._sbx.id}"
+        return self._sbx._at
 
     @overload
     def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
@@ -481,6 +481,12 @@ class RemoteSandbox:
         return str(self.info["id"])
 
     @property
+    def _at(self) -> str:
+        """Its path in the API: the id the service gave, one segment of it (a ``/`` or ``..``
+        in it names no other resource)."""
+        return f"/v1/sandboxes/{_inputs.segment(self.id, 'sandbox_id')}"
+
+    @property
     def tier(self) -> str:
         return str(self.info["tier"])
 
@@ -498,7 +504,7 @@ class RemoteSandbox:
         if self._closed:
             return False
         try:
-            info = self.client.http.request("GET", f"/v1/sandboxes/{self.id}").json()
+            info = self.client.http.request("GET", self._at).json()
         except exc.ResourceNotFound:
             return False
         return bool(info.get("state") == "running")
@@ -506,7 +512,7 @@ class RemoteSandbox:
     def _call(
         self, what: str, body: dict[str, Any], on_stdout: TextCallback | None, on_stderr: TextCallback | None
     ) -> dict[str, Any]:
-        path, limit = f"/v1/sandboxes/{self.id}/{what}", result_max_bytes(self.info)
+        path, limit = f"{self._at}/{what}", result_max_bytes(self.info)
         if on_stdout is None and on_stderr is None:
             data: dict[str, Any] = self.client.http.request("POST", path, json=body, limit=limit).json()
             return data
@@ -525,19 +531,19 @@ class RemoteSandbox:
         return execution(self._call("code", code_body(code, language, timeout_s), on_stdout, on_stderr))
 
     def reset(self) -> None:
-        self.client.http.request("POST", f"/v1/sandboxes/{self.id}/reset")
+        self.client.http.request("POST", f"{self._at}/reset")
 
     def snapshot(self, *, memory: bool | None = None) -> Snapshot:
         """As ``Sandbox.snapshot``: save the sandbox and go on. Kept by the service, in your
         tenant's store, until deleted (``client.delete_snapshot``)."""
-        path = f"/v1/sandboxes/{self.id}/snapshot"
+        path = f"{self._at}/snapshot"
         response = self.client.http.request("POST", path, json={"memory": memory})
         return snapshot_value(response.json(), self.client.http.url)
 
     def pause(self, *, memory: bool | None = None) -> Snapshot:
         """As ``Sandbox.pause``: save and stop it; ``RemoteSandbox.resume(sbx.id)``, from any
         client of your tenant, brings it back. Paused, it holds none of your live quota."""
-        path = f"/v1/sandboxes/{self.id}/pause"
+        path = f"{self._at}/pause"
         response = self.client.http.request("POST", path, json={"memory": memory})
         self._closed = True  # nothing to delete any more; a client made for it is closed
         if self._owns_client:
@@ -565,7 +571,7 @@ class RemoteSandbox:
 
     def kill(self) -> None:
         """Stop it now, even mid-command (a command in flight ends with ``SandboxClosed``)."""
-        self.client.http.request("POST", f"/v1/sandboxes/{self.id}/kill")
+        self.client.http.request("POST", f"{self._at}/kill")
 
     def close(self) -> None:
         if self._closed:
@@ -573,7 +579,7 @@ class RemoteSandbox:
         self._closed = True
         try:
             with contextlib.suppress(exc.ResourceNotFound, exc.SandboxClosed):  # closed already (idle, gone)
-                self.client.http.request("DELETE", f"/v1/sandboxes/{self.id}")
+                self.client.http.request("DELETE", self._at)
         finally:
             if self._owns_client:
                 self.client.close()

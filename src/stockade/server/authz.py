@@ -1,5 +1,10 @@
 """What a principal's role allows, asked before anything runs: tiers (by the tenant policy's
-trust and the role's list), the network, models and tools."""
+trust and the role's list), the network, models and tools.
+
+A call of the sandbox API amounts to one of the agent's tools, and the role's ``tools`` list
+holds over it as over a run's calls (``SANDBOX_TOOLS``): a role of read tools runs no code by
+any route, which is what ``PolicyEngine.code_tools`` (and so the data classes its sandboxes
+hold) takes it at."""
 
 from __future__ import annotations
 
@@ -9,21 +14,49 @@ import ipaddress
 from stockade import exceptions as exc
 from stockade.egress._rules import Judge, ip_literal
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.schema import Policy
+from stockade.policy.schema import Policy, Verdict
 from stockade.sandbox.base import Backend
 from stockade.server.tenants import Principal
 from stockade.types import NetworkPolicy, Trust
 
 __all__ = [
+    "SANDBOX_TOOLS",
     "check_approver",
     "check_model",
     "check_network",
+    "check_sandbox_tool",
+    "check_sandbox_tools",
     "check_tier_network",
     "choose_tier",
     "effective_policy",
     "engine_for",
     "may_approve",
 ]
+
+# The tool each call of the sandbox API amounts to: a command is the raw shell, code is
+# run_code; a file's content, its entry and a folder's download are read_file, a listing is
+# list_files; what brings files in or takes them away is write_file (a write, a folder made,
+# a removal, an upload, a reset; a restore from a snapshot, and a resume, bring its files back,
+# and a pause is kept for its resume). A snapshot copies the files to the host's store, never
+# to the caller: read_file. Looking at, killing or deleting a sandbox is none: a role can
+# always stop what it holds.
+SANDBOX_TOOLS: dict[str, tuple[str, str]] = {  # call: (tool, the call in words)
+    "command": ("shell", "running a command"),
+    "code": ("run_code", "running code"),
+    "read": ("read_file", "reading a file"),
+    "stat": ("read_file", "looking at a file"),
+    "download": ("read_file", "downloading a folder"),
+    "snapshot": ("read_file", "taking a snapshot"),
+    "list": ("list_files", "listing a folder"),
+    "write": ("write_file", "writing a file"),
+    "make_dir": ("write_file", "making a folder"),
+    "remove": ("write_file", "removing a file"),
+    "upload": ("write_file", "uploading a folder"),
+    "reset": ("write_file", "emptying the workspace"),
+    "restore": ("write_file", "starting from a snapshot"),
+    "pause": ("write_file", "pausing a sandbox (its resume brings its files back)"),
+    "resume": ("write_file", "resuming a sandbox"),
+}
 
 # Weakest to strictest: a request may tighten the tenant's trust, never loosen it.
 _TRUST_ORDER = (Trust.TRUSTED, Trust.INTERNAL, Trust.UNTRUSTED, Trust.MULTI_TENANT)
@@ -209,6 +242,30 @@ def check_model(engine: PolicyEngine, name: str, provider: str = "") -> None:
     decision = engine.model(name, provider)
     if not decision.allowed:
         raise exc.PolicyDenied(decision.reason, rule=decision.rule, action=f"use model {name}")
+
+
+def check_sandbox_tool(principal: Principal, call: str) -> None:
+    """``PolicyDenied`` (403) unless the principal's role may use the tool the sandbox API's
+    ``call`` amounts to (``SANDBOX_TOOLS``)."""
+    tool, doing = SANDBOX_TOOLS[call]
+    decision = engine_for(principal).tool(tool)
+    if decision.verdict is Verdict.DENY:  # one to approve is the op guard's to ask, per op
+        raise exc.PolicyDenied(
+            f"{decision.reason}, which {doing} amounts to", rule=decision.rule, action=doing
+        )
+
+
+def check_sandbox_tools(engine: PolicyEngine) -> None:
+    """``PolicyDenied`` (403) for a sandbox that its role could use by no call: none of the
+    tools of ``SANDBOX_TOOLS`` is the role's."""
+    tools = dict.fromkeys(tool for tool, _ in SANDBOX_TOOLS.values())
+    if all(engine.tool(tool).verdict is Verdict.DENY for tool in tools):
+        raise exc.PolicyDenied(
+            f"role {engine.role_name!r} may use none of the tools a sandbox's calls amount to "
+            f"({', '.join(tools)})",
+            rule=f"roles.{engine.role_name}.tools",
+            action="create a sandbox",
+        )
 
 
 def check_approver(principal: Principal) -> None:

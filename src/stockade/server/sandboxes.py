@@ -14,7 +14,9 @@ A sandbox belongs to the role of the token that made it: the tokens of that role
 another role of the tenant it is as another tenant's, not found (404) on every route, and so
 are its snapshots and its pause (``server/snapshots.py``). The role's policy was asked what
 the sandbox may hold (``[data_access]`` above a role never enters it), so another role must
-not read it there.
+not read it there. Each call amounts to one of the agent's tools (``authz.SANDBOX_TOOLS``:
+a command is ``shell``, code ``run_code``, a write ``write_file``, ...) and is refused (403,
+rule ``roles.<role>.tools``) when the role's ``tools`` leave it out, as a run's call would be.
 
 Command output streams as NDJSON (``"stream": true``): one JSON object a line,
 ``{"type": "stdout"|"stderr", "data": TEXT}`` as the output comes, then
@@ -55,7 +57,15 @@ from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER, ReadFile
-from stockade.server.authz import check_network, check_tier_network, choose_tier, engine_for, network_changed
+from stockade.server.authz import (
+    check_network,
+    check_sandbox_tool,
+    check_sandbox_tools,
+    check_tier_network,
+    choose_tier,
+    engine_for,
+    network_changed,
+)
 from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
@@ -292,6 +302,9 @@ class SandboxRegistry:
     def create(self, principal: Principal, request: SandboxCreate) -> Held:
         service, tenant = self.service, principal.tenant
         engine = engine_for(principal, request.trust)
+        check_sandbox_tools(engine)
+        if request.snapshot is not None:
+            check_sandbox_tool(principal, "restore")
         kept: SandboxSpec | None = None
         memory = False
         if request.snapshot is not None:
@@ -365,6 +378,7 @@ class SandboxRegistry:
     def snapshot(self, principal: Principal, sandbox_id: str, memory: bool | None) -> SnapshotOut:
         """Save the sandbox into its tenant's store and let it run on."""
         tenant, snapshots = principal.tenant, self.service.snapshots
+        check_sandbox_tool(principal, "snapshot")
         self.get(principal, sandbox_id)
         snapshots.check_room(tenant)
         with (
@@ -381,6 +395,7 @@ class SandboxRegistry:
         """Save the sandbox and stop it: kept under its id until ``resume``; its share of the
         live quota (count, CPUs, memory) is free meanwhile, its disk counts as snapshots."""
         tenant, snapshots = principal.tenant, self.service.snapshots
+        check_sandbox_tool(principal, "pause")
         held = self.get(principal, sandbox_id)
         snapshots.check_room(tenant)
         with (
@@ -403,6 +418,7 @@ class SandboxRegistry:
     def resume(self, principal: Principal, sandbox_id: str) -> Held:
         """A paused sandbox, running again under its id (on this process). One resume wins."""
         service, tenant, snapshots = self.service, principal.tenant, self.service.snapshots
+        check_sandbox_tool(principal, "resume")
         if self.holds(sandbox_id):
             self.get(principal, sandbox_id)  # another tenant's: not found
             raise exc.SnapshotNotFound(f"sandbox {sandbox_id} is running, not paused")
@@ -692,6 +708,7 @@ async def _held_result(request: Request, caller: Principal, result: CommandResul
 @router.post("/{sandbox_id}/commands", summary="Run a command (JSON, or NDJSON streamed while it runs)",
              response_model=None)  # fmt: skip
 async def run_command(sandbox_id: str, body: CommandRequest, request: Request, caller: Caller) -> Response:
+    check_sandbox_tool(caller, "command")
     registry = _registry_of(request)
 
     def work(
@@ -714,6 +731,7 @@ async def run_command(sandbox_id: str, body: CommandRequest, request: Request, c
 @router.post("/{sandbox_id}/code", summary="run_code (JSON, or NDJSON streamed while it runs)",
              response_model=None)  # fmt: skip
 async def run_code(sandbox_id: str, body: CodeRequest, request: Request, caller: Caller) -> Response:
+    check_sandbox_tool(caller, "code")
     registry = _registry_of(request)
 
     def work(
@@ -734,6 +752,7 @@ async def run_code(sandbox_id: str, body: CodeRequest, request: Request, caller:
 
 @router.post("/{sandbox_id}/reset", status_code=204, summary="Kill every process, empty the workspace")
 async def reset_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Response:
+    check_sandbox_tool(caller, "reset")
     registry = _registry_of(request)
 
     def work() -> None:
@@ -767,6 +786,7 @@ async def list_files(
     path: PathQuery = "",
     depth: Annotated[int, Query(ge=1, le=32)] = 1,
 ) -> list[dict[str, Any]]:
+    check_sandbox_tool(caller, "list")
     registry = _registry_of(request)
 
     def work() -> Listing:
@@ -781,6 +801,7 @@ async def list_files(
 
 @router.get("/{sandbox_id}/files/stat", summary="One entry (404 when there is none)")
 async def stat_file(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> dict[str, Any]:
+    check_sandbox_tool(caller, "stat")
     registry = _registry_of(request)
 
     def work() -> EntryInfo | None:
@@ -800,6 +821,7 @@ async def read_file(
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     length: Annotated[int | None, Query(ge=0, le=2**62)] = None,
 ) -> Response:  # fmt: skip
+    check_sandbox_tool(caller, "read")
     registry = _registry_of(request)
 
     held = held_bytes(request)
@@ -835,6 +857,7 @@ async def write_file(
     sandbox_id: str, request: Request, caller: Caller, path: PathQuery,
     mode: Annotated[int, Query(ge=0, le=0o777)] = 0o644,  # as the SDK's: no setuid, setgid or sticky
 ) -> dict[str, Any]:  # fmt: skip
+    check_sandbox_tool(caller, "write")  # before its body is read
     registry = _registry_of(request)
     registry.get(caller, sandbox_id)
     data = await read_body(request, get_service(request).config.max_file_bytes, caller)
@@ -848,6 +871,7 @@ async def write_file(
 
 @router.delete("/{sandbox_id}/files", status_code=204, summary="Remove a file or folder")
 async def remove_file(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> Response:
+    check_sandbox_tool(caller, "remove")
     registry = _registry_of(request)
 
     def work() -> None:
@@ -860,6 +884,7 @@ async def remove_file(sandbox_id: str, request: Request, caller: Caller, path: P
 
 @router.post("/{sandbox_id}/files/dir", summary="Make a folder (and its parents)")
 async def make_dir(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> dict[str, Any]:
+    check_sandbox_tool(caller, "make_dir")
     registry = _registry_of(request)
 
     def work() -> EntryInfo:
@@ -872,6 +897,7 @@ async def make_dir(sandbox_id: str, request: Request, caller: Caller, path: Path
 @router.put("/{sandbox_id}/archive", status_code=204, summary="Upload a folder (a tar) into the workspace")
 @raw_body
 async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path: PathQuery = "") -> Response:
+    check_sandbox_tool(caller, "upload")  # before its body is read
     service = get_service(request)
     registry = _registry_of(request)
     registry.get(caller, sandbox_id)
@@ -895,6 +921,7 @@ async def download_archive(
     max_bytes: Annotated[int | None, Query(ge=1, le=2**62)] = None,
     max_entries: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
 ) -> Response:  # fmt: skip
+    check_sandbox_tool(caller, "download")
     service = get_service(request)
     registry = _registry_of(request)
     cap = min(max_bytes or service.config.max_upload_bytes, service.config.max_upload_bytes)

@@ -5,6 +5,7 @@ bounded, and every failure is a ``StockadeError`` that says whether retrying hel
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -23,7 +24,7 @@ import pytest
 from stockade import exceptions as exc
 from stockade.client import AsyncClient, AsyncRemoteSandbox, Client, RemoteSandbox
 from stockade.client._http import PACE_BYTES
-from stockade.client.client import EventLines
+from stockade.client.client import EventLines, RunEvent
 from stockade.runs.seeds import pack_workspace
 from stockade.types import ExecRecord
 from tests.hostile_archives import escaping_tar
@@ -457,6 +458,80 @@ def test_an_event_of_many_data_lines_is_refused_past_its_limit() -> None:
     with pytest.raises(exc.ServiceError, match="an event over 1,024 bytes"):
         for _ in range(10):
             events.feed("data: " + "x" * 200)
+
+
+def test_an_event_split_over_many_tiny_data_lines_comes_whole() -> None:
+    """200,000 data lines of one character each: one event, its data as sent (gathered, and
+    joined once at its end: added to a string line by line, a million such lines took
+    minutes of the client's CPU)."""
+    text = json.dumps({"pad": "x" * 199_990})
+    events = EventLines("http://service", max_lines=len(text))
+    assert all(events.feed(f"data: {char}") is None for char in text)
+    event = events.feed("")
+    assert event is not None and event.data == {"pad": "x" * 199_990}
+    assert events.feed('data: {"next": 1}') is None and events.feed("") == RunEvent(
+        kind="message", seq=0, data={"next": 1}
+    )  # nothing of the one before left over
+
+
+def test_an_event_of_more_data_lines_than_any_of_the_service_is_refused() -> None:
+    """Empty data lines add no byte against the event's limit, yet each is held: past the
+    number of lines an event may have, the stream is refused, as one over its bytes is."""
+    events = EventLines("http://service")
+    with pytest.raises(exc.ServiceError, match="an event of more than 65,536 data lines") as raised:
+        for _ in range(1_000_000):
+            events.feed("data:")
+    assert raised.value.retryable is False
+
+
+@both
+def test_a_run_id_the_service_gives_stays_one_segment_of_the_runs_paths(
+    service: Service, use_async: bool
+) -> None:
+    """A run's id comes from the service: one that holds ``/`` and ``..`` names that run still,
+    percent-encoded, never another resource (a sandbox's kill)."""
+    hostile = "../sandboxes/sbx_1"
+    service.answers["/v1/runs/r1"] = body(json.dumps({"run_id": hostile, "status": "running"}).encode())
+    service.answers["/v1/sandboxes/sbx_1/kill"] = body(
+        json.dumps({"run_id": "r1", "status": "killed"}).encode()
+    )
+
+    async def kill_async() -> None:
+        client = AsyncClient(service.url, TOKEN)
+        try:
+            await (await client.runs.get("r1")).kill()
+        finally:
+            await client.aclose()
+
+    with pytest.raises(exc.ResourceNotFound):
+        if use_async:
+            asyncio.run(kill_async())
+        else:
+            with Client(service.url, TOKEN) as client:
+                client.runs.get("r1").kill()
+    assert service.hits == ["/v1/runs/r1", "/v1/runs/..%2Fsandboxes%2Fsbx_1/kill"]
+
+
+@both
+def test_a_sandbox_id_the_service_gives_stays_one_segment_of_its_paths(
+    service: Service, use_async: bool
+) -> None:
+    service.answers["/v1/runs/r1/kill"] = body(RUN)  # what the id would reach, as a path
+
+    async def kill_async() -> None:
+        client = AsyncClient(service.url, TOKEN)
+        try:
+            await AsyncRemoteSandbox(client, {"id": "../runs/r1"}).kill()
+        finally:
+            await client.aclose()
+
+    with pytest.raises(exc.ResourceNotFound):
+        if use_async:
+            asyncio.run(kill_async())
+        else:
+            with Client(service.url, TOKEN) as client:
+                RemoteSandbox(client, {"id": "../runs/r1"}).kill()
+    assert service.hits == ["/v1/sandboxes/..%2Fruns%2Fr1/kill"]
 
 
 @pytest.mark.parametrize(
