@@ -686,7 +686,10 @@ class ExecRecord:
     with no call to ask under. ``runs``, on an exec the host is asked to approve: the command
     the rule matched, as the judge found it runs, where that is not ``argv`` (the code
     chooses argv: ``exec -a true rm -r x`` runs ``rm -r x``, as does a copy of rm named
-    true, or a script whose ``#!`` line is ``/bin/rm -r``).
+    true, or a script whose ``#!`` line is ``/bin/rm -r``). ``file``: the file that ran, where
+    ``path`` led to another through links (a link the code made, ``/tmp/pip3`` to
+    ``/usr/bin/python3.11``; the image's own, ``/bin/sh`` to ``dash``); empty where it is
+    ``path`` itself.
     """
 
     path: str
@@ -696,6 +699,7 @@ class ExecRecord:
     own_code: bool = False
     between: bool = False
     runs: tuple[str, ...] = ()
+    file: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -433,6 +433,81 @@ def test_under_an_allowlist_a_listed_script_runs_with_its_interpreter_unlisted(
         assert sbx.commands.run("bash -c 'echo RAN'").stdout == ""  # bash itself is not listed
 
 
+def test_under_an_allowlist_a_link_to_a_listed_scripts_interpreter_runs_nothing(
+    allowing: Sandbox | None,
+) -> None:
+    # Landlock lets bash run for ldd (a bash script); the judge once allowed a file by any
+    # name it goes by, the path's among them: a link /tmp/ldd to bash ran bash with any argv,
+    # recorded as an allowed /tmp/ldd. An exec is allowed by what its file is, and the record
+    # names that file.
+    if allowing is None:
+        return
+    with Sandbox.create(allowing.tier, limits=LIMITS, rules=SandboxRules(allow=(*ALLOWED, "ldd"))) as sbx:
+        r = sbx.commands.run("ln -sf /bin/bash /tmp/ldd && /tmp/ldd -c 'echo RAN-$((6*7))'; echo done")
+        assert "RAN-42" not in r.stdout and r.stdout.strip().endswith("done"), (r.stdout, r.stderr)
+        refused = [(e.verdict, e.rule, os.path.basename(e.file)) for e in r.execs if e.path == "/tmp/ldd"]
+        assert refused == [("deny", "commands.allow", "bash")], r.execs
+        assert sbx.commands.run("ldd --version").exit_code == 0  # ldd runs, and bash for it
+
+
+def test_under_an_allowlist_a_listed_program_runs_by_any_name_of_its_file(allowing: Sandbox | None) -> None:
+    # A venv's python is a link to python3, itself a link to python3.X: one file, python3's.
+    if allowing is None:
+        return
+    real = "$(python3 -c 'import os; print(os.path.realpath(\"/usr/bin/python3\"))')"
+    r = allowing.commands.run(
+        "python3 -m venv --without-pip /tmp/v && /tmp/v/bin/python -c 'print(6 * 7)'"
+        f" && {real} -c 'print(7 * 8)'; python3 -c 'import shutil; shutil.rmtree(\"/tmp/v\")'"
+    )
+    assert r.stdout == "42\n56\n", (r.stdout, r.stderr)
+    venv = [(e.verdict, e.file) for e in r.execs if e.path == "/tmp/v/bin/python"]
+    assert venv == [("allow", os.path.join("/usr/bin", venv[0][1].rsplit("/", 1)[-1]))], r.execs
+
+
+def _image_has(sbx: Sandbox, path: str) -> bool:
+    """Whether the sandbox's image has the program at ``path`` (the process tier sees the
+    host's /usr; the docker image has no git nor node). ``test`` is the shell's own."""
+    return sbx.commands.run(f"test -x {path} && echo yes").stdout == "yes\n"
+
+
+def test_under_an_allowlist_git_runs_its_helpers(allowing: Sandbox | None) -> None:
+    # git execs its helpers from its exec-path (/usr/lib/git-core), not a program folder:
+    # listed with git, they are what git needs (`git: 'remote-https' is not a git command`).
+    if allowing is None:
+        return
+    with Sandbox.create(allowing.tier, limits=LIMITS, rules=SandboxRules(allow=(*ALLOWED, "git"))) as sbx:
+        if not _image_has(sbx, "/usr/bin/git"):
+            return
+        r = sbx.commands.run("git ls-remote https://example.invalid/x")
+        assert "not a git command" not in r.stderr, r.stderr
+        helper = [e.verdict for e in r.execs if e.path.endswith("/git-remote-https")]
+        assert helper == ["allow"], r.execs
+        r = sbx.commands.run(
+            "cd /workspace && git init -q a && git -C a -c user.email=a@b -c user.name=a commit -q"
+            " --allow-empty -m made && git ls-remote /workspace/a"
+        )
+        assert "\tHEAD\n" in r.stdout and "\trefs/heads/" in r.stdout, (
+            r.stdout,
+            r.stderr,
+        )  # git-upload-pack ran
+        sbx.commands.run("python3 -c 'import shutil; shutil.rmtree(\"/workspace/a\")'")
+
+
+def test_under_an_allowlist_a_listed_env_script_runs_its_interpreter(allowing: Sandbox | None) -> None:
+    # npm is `#!/usr/bin/env node`: env execs node with npm's path, judged as npm; node alone
+    # is still not listed.
+    if allowing is None:
+        return
+    with Sandbox.create(allowing.tier, limits=LIMITS, rules=SandboxRules(allow=(*ALLOWED, "npm"))) as sbx:
+        if not _image_has(sbx, "/usr/bin/npm"):
+            return
+        r = sbx.commands.run("npm --version")
+        assert r.exit_code == 0 and r.stdout.strip(), (r.stdout, r.stderr)
+        assert [e.verdict for e in r.execs if e.argv[:2] == ("node", "/usr/bin/npm")] == ["allow"], r.execs
+        r = sbx.commands.run("node -e 'console.log(6 * 7)'")
+        assert r.stdout == "" and "commands.allow" in r.stderr, (r.stdout, r.stderr)
+
+
 def test_under_an_allowlist_a_library_the_code_wrote_is_not_loaded(
     allowing: Sandbox | None, tier: str, written_library: bytes
 ) -> None:

@@ -44,12 +44,6 @@ IMAGE_TREES = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Changed by the package manager at every install and removal: part of an image's stamp.
 PACKAGE_STATE = ("var/lib/dpkg/info", "var/lib/rpm", "lib/apk/db")
 MULTI_CALL = execrules.MULTICALL  # one binary, many programs: denied with any of them
-# Where the supervisor looks up an allowlist's names (``rulespy.allowed_files``): the host
-# finds the same files, to leave them in the view.
-EXEC_DIRS = ("usr/local/bin", "usr/bin", "bin", "usr/sbin", "sbin")
-# The ELF loaders the supervisor lets run under an allowlist (the kernel runs one for each
-# dynamic program): never masked.
-LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux.so.2")
 # What every tier runs of the image itself: the supervisor's interpreter.
 SUPERVISOR_PROGRAMS = ("python3",)
 
@@ -329,6 +323,7 @@ def exec_records(header: dict[str, Any], *, between: bool = False) -> tuple[Exec
                 rule=str(item.get("rule", ""))[:512],
                 between=between,
                 runs=_words_of(item.get("runs")),
+                file=str(item.get("file", ""))[:4096],
             )
         )
     return tuple(out)
@@ -366,7 +361,7 @@ def _allowlist_view(
             )
         weakened.append(f"commands.allow: {what}; the exec judge and Landlock alone hold it")
         return ()
-    globs = tuple(sorted({words[0] for words in _words(rules.allow)}))
+    globs = tuple(sorted({execrules.pattern(words)[0] for words in _words(rules.allow)}))
     return view_masks(str(root), globs, runs, stamp)
 
 
@@ -402,29 +397,18 @@ def view_masks(
 
 def allowed_programs(root: Path, globs: tuple[str, ...], runs: tuple[str, ...] = ()) -> set[str]:
     """The files (inside paths, links resolved in the image) an allowlist of ``globs`` lets
-    run, as the supervisor finds them (``rulespy.allowed_files``): the programs named so in
-    the program folders, the interpreters their scripts name, the loaders; and ``runs``."""
-    files: set[str] = set()
-    for folder in EXEC_DIRS:
-        try:
-            names = os.listdir(root / folder)
-        except OSError:
-            continue
-        for name in names:
-            if _named(name, list(globs)) or name in runs:
-                files.add(resolve_inside(root, f"/{folder}/{name}"))
+    run, as the supervisor finds them (``execrules.allowlisted``, one list for the view,
+    Landlock and the exec judge): the programs named so in the program folders and their
+    helper folders, what they need (their scripts' interpreters, the loaders); and ``runs``."""
+    listed, needed = execrules.allowlisted(
+        globs, str(root).rstrip("/"), lambda path: resolve_inside(root, path)
+    )
+    files = {*listed, *needed}
+    for folder in execrules.ALLOW_FOLDERS:
+        for name in runs:
+            if not name.startswith("/") and (root / folder.lstrip("/") / name).exists():
+                files.add(resolve_inside(root, f"{folder}/{name}"))
     files.update(resolve_inside(root, path) for path in runs if path.startswith("/"))
-    for inside in list(files):
-        try:
-            with open(root / inside.lstrip("/"), "rb") as fh:
-                head = fh.read(256)
-        except OSError:
-            continue
-        if head.startswith(b"#!"):
-            words = head[2:].split(b"\n", 1)[0].split()
-            if words:
-                files.add(resolve_inside(root, words[0].decode("utf-8", "replace")))
-    files.update(resolve_inside(root, loader) for loader in LOADERS)
     return files
 
 

@@ -219,8 +219,9 @@ def test_an_allow_rule_holds_over_another_program_only_as_every_reading_of_its_o
 def test_the_sandboxs_exec_judge_reads_an_allow_rule_so(execjudge: Any, argv: list[str]) -> None:
     """The supervisor's judge, on the image's own git and python3 (the files an exec names)."""
     commands = {"deny": [], "approve": [], "allow": ALLOW}
-    sizes = importlib.import_module("rulespy").program_sizes(commands)
-    judge = execjudge.ExecJudge(None, commands, sizes)
+    rulespy = importlib.import_module("rulespy")
+    listed, _ = rulespy.allowlist(ALLOW)
+    judge = execjudge.ExecJudge(None, commands, rulespy.program_sizes(commands), listed=listed)
     path = "/usr/bin/python3" if argv[0] == "python3" else "/usr/bin/git"
     require(path, os.path.exists(path), "the judge is read on the image's files elsewhere")
     expected = ("allow", None) if argv in ALLOWED else ("deny", "commands.allow")
@@ -235,10 +236,14 @@ def test_a_link_swapped_while_an_exec_is_judged_leaves_no_name_on_the_file(
     by the first file for the sandbox's life (a listed ``ls`` judged as the ELF loader ever
     after). Now such an exec is refused, and the next exec of the file is judged afresh."""
     commands = {"deny": [], "approve": [], "allow": [["ls"], ["true"]]}
-    judge = execjudge.ExecJudge(None, commands, {})
     ls, loader = tmp_path / "ls", tmp_path / "ld-linux-x86-64.so.2"
     ls.write_bytes(b"\x7fELF listed")
     loader.write_bytes(b"\x7fELF loader")
+    # the folder stands for the program folders: its ls is the listed one
+    listed, _ = importlib.import_module("execrules").allowlisted(
+        {"ls", "true"}, "", os.path.realpath, (str(tmp_path),)
+    )
+    judge = execjudge.ExecJudge(None, commands, {}, listed=listed)
     link = tmp_path / "l"
     link.symlink_to(loader)
     raced = os.stat(ls)  # what the first look saw, before the link moved on

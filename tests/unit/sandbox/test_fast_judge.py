@@ -45,7 +45,13 @@ def judges() -> Iterator[tuple[Any, Any]]:
     assert built is not None
     lib = ctypes.CDLL(str(built))
     fast = lib.stockade_fast_allows
-    fast.argtypes = [ctypes.c_char_p, ctypes.c_int, *[ctypes.c_char_p] * 4, ctypes.c_int, ctypes.c_uint64]
+    fast.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_int,
+        *[ctypes.c_char_p] * 4,
+        ctypes.c_int,
+        *[ctypes.c_uint64] * 3,
+    ]
     fast.restype = ctypes.c_int
     sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
     try:
@@ -58,7 +64,6 @@ def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tup
     fast, (rules_module, execjudge) = judges
     commands = case["rules"]
     sizes = importlib.import_module("rulespy").program_sizes(commands)
-    judge = execjudge.ExecJudge(None, commands, sizes)
     folder = workdir / "bin"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
@@ -73,11 +78,16 @@ def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tup
         path.symlink_to(real.name)
     argv: list[str] = case["argv"]
     enc = [w.encode("utf-8", "surrogateescape") for w in argv]
-    config = rules_module.judge_config(commands)
-    size = real.stat().st_size
+    # the folder stands for the program folders: its files are the allowlist's programs
+    execrules = importlib.import_module("execrules")
+    programs = {execrules.pattern(words)[0] for words in commands["allow"] if words}
+    listed, _ = execrules.allowlisted(programs, "", os.path.realpath, (str(folder),))
+    judge = execjudge.ExecJudge(None, commands, sizes, listed=listed)
+    config = rules_module.judge_config(commands, (), listed)
+    st = real.stat()
     said = fast(
         config, len(config), path.name.encode(), real.name.encode(),
-        enc[0] if enc else b"", enc[1] if len(enc) > 1 else b"", len(argv), size,
+        enc[0] if enc else b"", enc[1] if len(enc) > 1 else b"", len(argv), st.st_size, st.st_dev, st.st_ino,
     )  # fmt: skip
     verdict = judge.judge(os.getpid(), str(path), argv)
     return int(said), verdict
@@ -181,6 +191,38 @@ def test_under_an_allowlist_a_link_to_the_loader_by_an_allowed_name_is_left_to_p
     said, verdict = _decide(judges, tmp_path, case)
     assert not said
     assert verdict == ("deny", "commands.allow")
+
+
+def test_under_an_allowlist_a_file_is_allowed_by_what_it_is_not_by_its_name(
+    judges: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """A link the code made, named as a listed program (pip3), to an unlisted file (python3,
+    which Landlock lets run for pip3's script) is refused by both judges; a listed file runs
+    by any name (a venv's python), answered by judge.c."""
+    fast, (rules_module, execjudge) = judges
+    programs, elsewhere = tmp_path / "bin", tmp_path / "tmp"
+    programs.mkdir()
+    elsewhere.mkdir()
+    (programs / "python3").write_bytes(b"\x7fELF, python3\n")
+    (programs / "pip3").write_bytes(b"\x7fELF, pip3\n")
+    commands = {"deny": [], "approve": [], "allow": [["pip3"]]}
+    execrules = importlib.import_module("execrules")
+    listed, _ = execrules.allowlisted({"pip3"}, "", os.path.realpath, (str(programs),))
+    judge = execjudge.ExecJudge(None, commands, {}, listed=listed)
+    config = rules_module.judge_config(commands, (), listed)
+    for target, verdict in (
+        (programs / "python3", ("deny", "commands.allow")),
+        (programs / "pip3", ("allow", None)),
+    ):
+        link = elsewhere / ("pip3" if target.name == "python3" else "python")
+        link.symlink_to(target)
+        st = target.stat()
+        names = (link.name.encode(), target.name.encode(), link.name.encode())
+        said = fast(config, len(config), *names, b"-c", 2, st.st_size, st.st_dev, st.st_ino)
+        assert (bool(said), judge.judge(os.getpid(), str(link), [link.name, "-c"])) == (
+            verdict[0] == "allow",
+            verdict,
+        )
 
 
 def test_a_copy_of_a_rule_program_is_left_to_python_by_its_size(

@@ -83,9 +83,13 @@ class ExecJudge:
         sizes: "Dict[int, List[str]]",
         approver: bool = False,
         masked: "Sequence[Sequence[Any]]" = (),
+        *,
+        listed: "Optional[Dict[str, List[str]]]" = None,
     ) -> None:
         """``masked``: what the host read of the programs the tier masks before they were
-        masked (``_rules.masked_identities``): [names, size, sha256, build ID in hex]."""
+        masked (``_rules.masked_identities``): [names, size, sha256, build ID in hex].
+        ``listed``: under an allowlist, the files of the programs it names and the names
+        each is listed by (``rulespy.allowlist``)."""
         self.sup = sup
         self.commands = commands
         self.approver = approver
@@ -109,6 +113,15 @@ class ExecJudge:
                 self._masked_builds.setdefault(bytes.fromhex(build), set()).update(names)
             self._masked_names.update(names)
         self._index = {kind: self._indexed(patterns) for kind, patterns in commands.items()}
+        # Under an allowlist an exec is allowed by what its file is (device, inode): a link
+        # the code made, /tmp/pip3 -> python3, is python3 by any name.
+        self._listed: "Dict[Tuple[int, int], Set[str]]" = {}
+        for file, names in (listed or {}).items():
+            try:
+                st = os.stat(file)
+            except OSError:
+                continue
+            self._listed.setdefault((st.st_dev, st.st_ino), set()).update(names)
         self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
         # What is kept of a file's content is kept by its stamp (_stamp: its ctime among
         # them, which every change moves and no process can set back), and only once settled.
@@ -176,7 +189,9 @@ class ExecJudge:
             confine.answer(listener, nid, True)
             # as the compiled judge records an exec it lets run (its first words: M in its config)
             words = kept_argv(argv[:MAX_EXEC_ARGV])
-            record(kept_on, {"path": path, "argv": words, "verdict": verdict, "rule": ""})
+            record(
+                kept_on, _named_file({"path": path, "argv": words, "verdict": verdict, "rule": ""}, target)
+            )
             return
         matched = (
             execrules.judged_words(self._rules[rule], argv)
@@ -184,6 +199,7 @@ class ExecJudge:
             else ()
         )
         done = {"path": path, "argv": shown_argv(argv, matched), "verdict": verdict, "rule": rule or ""}
+        done = _named_file(done, target)
         if verdict == "approve":
             if not self.approver or job is None:
                 done["verdict"] = "refuse"
@@ -344,7 +360,8 @@ class ExecJudge:
             self.carrying = True  # a verdict on a race, not on the file: not kept
             return "deny", "changed: the file this exec names changed while it was judged"
         files = {os.path.basename(path), real_name} | copies
-        verdict = self._by_names(files, argv, listed)
+        listed_as = self._listed_as(st, argv) if listed and self.commands["allow"] else None
+        verdict = self._by_names(files, argv, listed, listed_as)
         masked = copies & self._masked_names
         if masked and verdict[0] != "deny":  # masked: it runs under no name
             verdict = "deny", f"masked: a copy of {min(masked)}, which the rules let run under no name"
@@ -366,8 +383,10 @@ class ExecJudge:
             return TOO_DEEP
         self.carrying = True
         inner, inner_argv = carried
-        if inner is None:  # an applet: the same file, by the applet's name
-            return _strictest(verdict, self._by_names({execrules.program(inner_argv[0])}, inner_argv, listed))
+        if inner is None:  # an applet: the same file, by the applet's name (listed by it, or not)
+            applet = execrules.program(inner_argv[0])
+            applet_as = ({applet} & listed_as[0], inner_argv[1:]) if listed_as is not None else None
+            return _strictest(verdict, self._by_names({applet}, inner_argv, listed, applet_as))
         inner_verdict = self._judge_carried(
             pid, inner, inner_argv, depth, listed=listed, interpreting=interpreting
         )
@@ -432,10 +451,16 @@ class ExecJudge:
             return self._by_names({os.path.basename(inner)}, argv, listed)
 
     def _by_names(
-        self, files: "Set[str]", argv: "List[str]", listed: bool = True
+        self,
+        files: "Set[str]",
+        argv: "List[str]",
+        listed: bool = True,
+        listed_as: "Optional[Tuple[Set[str], List[str]]]" = None,
     ) -> "Tuple[str, Optional[str]]":
         """The verdict on ``argv`` run from a file that goes by ``files`` (``listed``: under
-        the allowlist too)."""
+        the allowlist too, which allows it only as the program ``listed_as`` says it is, its
+        names and arguments: ``_listed_as``; None, as none). The deny and approve rules judge
+        it by every name: more names, stricter."""
         args = argv[1:]
         names = files | ({os.path.basename(argv[0])} if argv else set())
         candidates = [(name, args) for name in names]
@@ -447,7 +472,7 @@ class ExecJudge:
                 return "deny", f"{error}, past what is judged"
             for command in commands:
                 candidates.append((os.path.basename(command[0]), command[1:]))
-        refused = listed and self._allow_refuses(files, args)
+        refused = listed and self._allow_refuses(*(listed_as or (set(), args)))
         for kind, verdict in (("deny", "deny"), ("approve", "approve")):
             for name, rest in candidates:
                 for words in self._patterns(kind, name):
@@ -459,15 +484,64 @@ class ExecJudge:
                         return "deny", "commands.allow"
         return ("deny", "commands.allow") if refused else ("allow", None)
 
-    def _allow_refuses(self, files: "Set[str]", args: "List[str]") -> bool:
-        """Under an allowlist, what the file is (never the name it was given) must be listed,
-        and do what a rule names (``execrules.allows``: not merely carry its words)."""
+    def _allow_refuses(self, names: "Set[str]", args: "List[str]") -> bool:
+        """Under an allowlist, what the file is (never the name it was given: ``names``, those
+        it is listed by) must be listed, and do what a rule names (``execrules.allows``: not
+        merely carry its words)."""
         if not self.commands["allow"]:
             return False
-        for name in files:
+        for name in names:
             if any(execrules.allows(words, [name, *args]) for words in self._patterns("allow", name)):
                 return False
         return True
+
+    def _listed_as(self, st: "os.stat_result", argv: "List[str]") -> "Tuple[Set[str], List[str]]":
+        """What an allowlist may allow the file ``st`` as: the names it is listed by (a file of
+        a program a rule names, found in the program folders or a listed program's helper
+        folder: ``execrules.allowlisted``) and its arguments. A file listed by no name is no
+        program a rule names, by whatever name it is run (a link the code made, /tmp/pip3 ->
+        python3, or /tmp/ldd -> bash: ldd's interpreter, which runs only as ldd's), but for
+        what env runs for a listed script (``_env_script``)."""
+        names = self._listed.get((st.st_dev, st.st_ino))
+        if names:
+            return set(names), argv[1:]
+        return self._env_script(st, argv) or (set(), argv[1:])
+
+    def _env_script(self, st: "os.stat_result", argv: "List[str]") -> "Optional[Tuple[Set[str], List[str]]]":
+        """A listed script run by the interpreter its ``#!/usr/bin/env X`` line names (npm's
+        ``#!/usr/bin/env node``): env execs X (``st``, found in the program folders) with
+        argv ``[X, *options, script, *args]``, which is judged as the script run with
+        ``args``. Only a script reached by a path of the image (which code cannot change
+        between this look and the interpreter's open): its names and ``args``; None else."""
+        for at in range(1, min(len(argv), MAX_ENV_WORDS + 2)):
+            script = argv[at]
+            if not execrules.in_image(script) or "/." in script:
+                continue
+            try:
+                if not execrules.in_image(os.path.realpath(script)):
+                    continue
+                names = self._listed.get(_file(os.stat(script)))
+                runs = execrules.env_runs(_head(script)) if names else None
+            except OSError:
+                continue
+            if names and runs is not None and argv[1:at] == runs[1:] and self._is_program(st, runs[0]):
+                return set(names), argv[at + 1 :]
+        return None
+
+    @staticmethod
+    def _is_program(st: "os.stat_result", name: str) -> bool:
+        """Whether the file ``st`` is the program ``name`` of the program folders (as env
+        finds it on PATH), or at ``name`` where it is a path."""
+        places = (
+            [name] if name.startswith("/") else [f"{folder}/{name}" for folder in execrules.ALLOW_FOLDERS]
+        )
+        for place in places:
+            try:
+                if _file(os.stat(place)) == _file(st):
+                    return True
+            except OSError:
+                continue
+        return False
 
     def _real_name(self, target: str, st: "os.stat_result") -> "Optional[str]":
         """The name of the file ``target`` leads to (symlinks followed), cached by the file;
@@ -609,6 +683,28 @@ def _unreadable(exc: OSError) -> "Tuple[str, Optional[str]]":
 # older than this: a change within the same tick of the clock timestamps are taken from (up
 # to 10 ms), or the same second where a filesystem keeps seconds, may leave ctime as it was.
 SETTLED_NS = 2_000_000_000
+
+
+# The options an env shebang may give its interpreter (``#!/usr/bin/env -S node --x``) that
+# are looked past for the script's path (ExecJudge._env_script).
+MAX_ENV_WORDS = 8
+
+
+def _file(st: "os.stat_result") -> "Tuple[int, int]":
+    return st.st_dev, st.st_ino
+
+
+def _named_file(done: "Dict[str, Any]", target: str) -> "Dict[str, Any]":
+    """An exec's record, with the file that ran where its path led to another (a link the
+    code made, /tmp/pip3 -> /usr/bin/python3.11): the trail names what ran, not only the
+    name it was run by."""
+    try:
+        real = os.path.realpath(target)
+    except (OSError, ValueError):
+        return done
+    if real != done["path"] and not real.startswith("/proc/"):
+        done["file"] = real
+    return done
 
 
 def _stamp(st: "os.stat_result") -> "Tuple[int, int, int, int, int]":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+    from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 # The same action under other spellings, per program ("*": any program): a pattern's flag
 # matches any of them, alone, in a cluster of short flags (``-fR``), or as ``--long=value``.
@@ -595,6 +595,94 @@ def interpreted(head: bytes, path: str, argv: "Sequence[str]") -> "Optional[Tupl
     if arg:
         words.append(arg.decode("utf-8", "surrogateescape"))
     return words[0], [*words, path, *argv[1:]]
+
+
+def env_runs(head: bytes) -> "Optional[List[str]]":
+    """What a script whose first line is ``#!/usr/bin/env X`` (or ``env -S "X OPTIONS"``)
+    has env run: X and the options it is given before the script's path (env execs
+    ``[X, *OPTIONS, script, *args]``). None: no such line, or one env reads otherwise
+    (its own options, quotes, escapes: not told here)."""
+    script = interpreted(head, "", [])
+    if script is None or program(script[0]) != "env" or len(script[1]) != 3:
+        return None
+    arg = script[1][1]
+    if arg.startswith("-S"):
+        arg = arg[2:]
+    elif any(c in arg for c in " \t"):
+        return None  # one name with a space in it: env finds no such program
+    words = arg.split()
+    while words and "=" in words[0]:  # NAME=VALUE: set, not run
+        words.pop(0)
+    if not words or words[0].startswith("-") or any(c in arg for c in "\\'\"$"):
+        return None
+    return words
+
+
+# Where an allowlist's programs are looked for, and the folders of the helpers a program
+# execs by their own path (git's exec-path: git-remote-https, git-submodule): a listed
+# program's helpers are listed with it, under their own names (git-x is git's: rule_names).
+ALLOW_FOLDERS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
+HELPER_FOLDERS = {"git": ("/usr/lib/git-core",)}
+# The ELF loaders the kernel runs for each dynamic program: always run under an allowlist.
+LOADER_FILES = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux.so.2")
+
+
+def allowlisted(
+    programs: "Iterable[str]",
+    root: str,
+    resolve: "Callable[[str], str]",
+    folders: "Sequence[str]" = ALLOW_FOLDERS,
+) -> "Tuple[Dict[str, List[str]], List[str]]":
+    """What an allowlist of ``programs`` (its rules' program globs) lets run, in the image at
+    ``root`` ("" for the one we run in), each file by its path there with every link followed
+    (``resolve``): (listed, needed). ``listed``: the files of the programs it names, in the
+    program folders and the helper folders of the programs named (``HELPER_FOLDERS``), each
+    with the names it is listed by there: an exec is allowed by what its file is, never by
+    the name it was given. ``needed``: what they need to run besides, run only for them (the
+    exec judge judges none of them as listed): the interpreters their scripts name (X too
+    for ``#!/usr/bin/env X``, found in the program folders) and the ELF loaders. The one list
+    the host's view, Landlock and the exec judge all take. ``folders``: where programs are
+    looked for."""
+    import os
+
+    globs = sorted(set(programs))
+    listed: "Dict[str, List[str]]" = {}
+    looked = [(folder, False) for folder in folders]
+    looked += [
+        (helper, True)
+        for name, helpers in sorted(HELPER_FOLDERS.items())
+        if any(_glob(name, g) for g in globs)
+        for helper in helpers
+    ]
+    for folder, helper in looked:
+        try:
+            names = sorted(os.listdir(root + folder))
+        except OSError:
+            continue
+        for name in names:
+            filed = rule_names(name) if helper else (name,)
+            if any(_glob(n, g) for n in filed for g in globs):
+                found = listed.setdefault(resolve(f"{folder}/{name}"), [])
+                if name not in found:
+                    found.append(name)
+    needed: "Set[str]" = set()
+    for path in listed:
+        try:
+            with open(root + path, "rb") as fh:
+                head = fh.read(SCRIPT_HEAD)
+        except OSError:
+            continue
+        script = interpreted(head, path, [])
+        if script is None:
+            continue
+        needed.add(resolve(script[0]))
+        runs = env_runs(head)
+        if runs is None:
+            continue
+        places = [runs[0]] if runs[0].startswith("/") else [f"{folder}/{runs[0]}" for folder in ALLOW_FOLDERS]
+        needed.update(resolve(place) for place in places)
+    needed.update(resolve(loader) for loader in LOADER_FILES)
+    return listed, sorted(path for path in needed - set(listed) if os.path.exists(root + path))
 
 
 def _git_alias(args: "Sequence[str]") -> bool:

@@ -7,7 +7,8 @@
  * that what is read is the caller's own), and answers CONTINUE only when no name the program
  * goes by can match any deny or approve rule: the path's name, the name of the file it leads
  * to, argv[0]'s name; not a copy of a program a rule names (no file of that size), not
- * `python -m`, and under an allowlist a file the allowlist names alone. Before it answers,
+ * `python -m`, and under an allowlist a file the allowlist names alone (by its device and
+ * inode, never by a name it goes by: a link /tmp/pip3 -> python3 is python3). Before it answers,
  * the exec's record (path and argv) goes into a pipe the supervisor drains when the job ends:
  * a record that cannot be written whole is not dropped, the exec goes to Python instead.
  * Everything else, and anything it cannot read or is unsure of, goes to the Python judge
@@ -100,6 +101,7 @@ typedef int i32;
 #define MAX_INTERPRETERS 32 /* execrules.INTERPRETERS, with room */
 #define MAX_ARGS 4096
 #define RECORD_MAX 4096 /* PIPE_BUF: a write this size is whole or not at all */
+#define RECORD_FILE 0x80000000u /* in a record's count of words: the file that ran follows */
 #define CONFIG_MAX 65536
 #define STACK_SIZE (256 * 1024)
 /* A thread of the supervisor's process: its memory, files, handlers (all signals blocked). */
@@ -210,8 +212,9 @@ static const char *base(const char *path)
 struct rules {
     const char *named[MAX_PATTERNS]; /* the programs of every deny and approve rule */
     int n_named;
-    const char *allowed[MAX_PATTERNS]; /* the allowlist's rules of one word (no argv) */
-    int n_allowed;
+    const char *listed[MAX_PATTERNS]; /* the files an allowlist's rules of one word allow */
+    int n_listed;
+    u64 listed_ids[MAX_PATTERNS][2];   /* their device and inode (find_sizes), 0 0: none */
     int allowlist;                     /* an allowlist is in force */
     u64 sizes[MAX_SIZES];              /* sizes of the programs whose copies are judged */
     int n_sizes;
@@ -235,15 +238,15 @@ static u64 parse_num(const char *s)
     return v;
 }
 
-/* Entries separated by NULs, each a letter and its text: P a deny/approve program, A a
- * one-word allow rule, L an allowlist is in force, S a program size, M the argv kept, D a
- * folder of programs, N a program whose size (in each D folder) is one (find_sizes), T a
+/* Entries separated by NULs, each a letter and its text: P a deny/approve program, F the
+ * path of a file an allowlist's rule of one word allows (rules.judge_config), L an allowlist
+ * is in force, S a program size, M the argv kept, D a folder of programs, N a program whose size (in each D folder) is one (find_sizes), T a
  * program (a glob) that runs a script file it is given (execrules.INTERPRETERS) and G a
  * folder of the image (execrules.IMAGE_FOLDERS). */
 static void parse(struct rules *r, const char *cfg, int len)
 {
     const char *end = cfg + len;
-    r->n_named = r->n_allowed = r->n_sizes = r->allowlist = r->n_dirs = r->n_programs = 0;
+    r->n_named = r->n_listed = r->n_sizes = r->allowlist = r->n_dirs = r->n_programs = 0;
     r->n_interpreters = r->n_image = 0;
     r->max_argv = 64;
     r->ok = 1;
@@ -256,11 +259,11 @@ static void parse(struct rules *r, const char *cfg, int len)
             else
                 r->named[r->n_named++] = text;
             break;
-        case 'A':
-            if (r->n_allowed == MAX_PATTERNS)
+        case 'F':
+            if (r->n_listed == MAX_PATTERNS)
                 r->ok = 0;
             else
-                r->allowed[r->n_allowed++] = text;
+                r->listed[r->n_listed++] = text;
             break;
         case 'L':
             r->allowlist = 1;
@@ -312,6 +315,15 @@ static void parse(struct rules *r, const char *cfg, int len)
 static void find_sizes(struct rules *r, char *path, long cap)
 {
     u64 st[18];
+    /* The allowlist's files, by what they are: an exec is allowed by its file's identity,
+     * never by the name it was given (a link /tmp/pip3 -> python3). One not there: none. */
+    for (int i = 0; i < r->n_listed; i++) {
+        r->listed_ids[i][0] = r->listed_ids[i][1] = 0;
+        if (sc(SYS_stat, (long)r->listed[i], (long)st, 0, 0, 0, 0) == 0) {
+            r->listed_ids[i][0] = st[0];
+            r->listed_ids[i][1] = st[1];
+        }
+    }
     for (int d = 0; d < r->n_dirs; d++)
         for (int i = 0; i < r->n_programs; i++) {
             const char *name = r->programs[i], *p;
@@ -388,7 +400,7 @@ __attribute__((visibility("default"))) int stockade_fast_allows(const char *cfg,
                                                                  const char *path_name,
                                                                  const char *file_name,
                                                                  const char *argv0, const char *argv1,
-                                                                 int argc, u64 size);
+                                                                 int argc, u64 size, u64 dev, u64 ino);
 
 /* Whether ``name`` may be the program ``pat`` under another name: with a version (pip3,
  * python3.11) or as a dashed git command (git-push), which execrules.rule_names files under
@@ -426,8 +438,17 @@ static int interpreter(const struct rules *r, const char *name)
     return 0;
 }
 
+/* The file (device ``dev``, inode ``ino``) is one an allowlist's rule of one word allows. */
+static int listed(const struct rules *r, u64 dev, u64 ino)
+{
+    for (int i = 0; i < r->n_listed; i++)
+        if (r->listed_ids[i][1] == ino && r->listed_ids[i][0] == dev && (dev || ino))
+            return 1;
+    return 0;
+}
+
 static int allows(const struct rules *r, const char *names[3], int n_names, const char *argv1, int argc,
-                  u64 size)
+                  u64 size, u64 dev, u64 ino)
 {
     int i, j;
     if (!r->ok)
@@ -449,27 +470,20 @@ static int allows(const struct rules *r, const char *names[3], int n_names, cons
         for (j = 0; j < r->n_named; j++)
             if (glob(names[i], r->named[j]) != NO || extends(names[i], r->named[j]))
                 return 0;
-    if (r->allowlist) {
-        /* What the file is (its path's name, the name of the file it leads to), never
-         * the name it was given, must be on the list. */
-        for (i = 0; i < 2 && i < n_names; i++)
-            for (j = 0; j < r->n_allowed; j++)
-                if (glob(names[i], r->allowed[j]) == YES)
-                    return 1;
-        return 0;
-    }
+    if (r->allowlist)
+        return listed(r, dev, ino); /* what the file is, never a name it goes by */
     return 1;
 }
 
 int stockade_fast_allows(const char *cfg, int len, const char *path_name, const char *file_name,
-                         const char *argv0, const char *argv1, int argc, u64 size)
+                         const char *argv0, const char *argv1, int argc, u64 size, u64 dev, u64 ino)
 {
     static struct rules r; /* for the tests only: one caller at a time */
     static char path[PATH_MAX_ + 8];
     const char *names[3] = {path_name, file_name, argc > 0 ? base(argv0) : ""};
     parse(&r, cfg, len);
     find_sizes(&r, path, sizeof path);
-    return allows(&r, names, argc > 0 ? 3 : 2, argv1, argc, size);
+    return allows(&r, names, argc > 0 ? 3 : 2, argv1, argc, size, dev, ino);
 }
 
 /* -- one exec ----------------------------------------------------------------------------- */
@@ -649,10 +663,10 @@ static int script(const char *path)
  * name in its own folder (sh -> dash): then realpath's last part, which is all the judge
  * reads of it, is that of the last link's target, and lstat gives its size. Three system
  * calls for /bin/sh where the slow way (open, fstat, readlink of the fd, close) walks
- * /proc too. 1: c->real holds a path of the file (its name is the file's) and *size is
- * set; 0: anything else (a link with a slash in it, a missing file, too many links), for
+ * /proc too. 1: c->real holds a path of the file (its name is the file's) and *size, *dev
+ * and *ino are set; 0: anything else (a link with a slash in it, a missing file, too many links), for
  * the slow way to decide. */
-static int by_name(struct ctx *c, long len, u64 *size)
+static int by_name(struct ctx *c, long len, u64 *size, u64 *dev, u64 *ino)
 {
     u64 st[18];
     char *p = c->real;
@@ -666,6 +680,8 @@ static int by_name(struct ctx *c, long len, u64 *size)
             return 0;
         if (((u32)st[3] & S_IFMT) != S_IFLNK) {
             *size = st[6];
+            *dev = st[0];
+            *ino = st[1];
             return 1;
         }
         if (hop == MAX_HOPS)
@@ -724,8 +740,8 @@ static int judge(struct ctx *c, const struct notif *n)
     }
     if (!normal(c->path) || starts(c->path, "/proc/"))
         goto out;
-    u64 size = 0;
-    if (!by_name(c, len, &size)) {
+    u64 size = 0, dev = 0, ino = 0;
+    if (!by_name(c, len, &size, &dev, &ino)) {
         /* The slow way: the file itself, opened, and the path the kernel gives it. */
         long fd = no_magic_open(c->path, 0); /* a magic link on the way: Python's walk */
         if (fd == -ENOENT || fd == -ENOTDIR) {
@@ -750,6 +766,8 @@ static int judge(struct ctx *c, const struct notif *n)
         if (m >= (long)sizeof deleted - 1 && same(c->real + m - (sizeof deleted - 1), deleted))
             goto out;
         size = st[6];
+        dev = st[0];
+        ino = st[1];
     }
     /* Under rules over argv (the rule programs' sizes are known), a file outside the image's
      * folders may be a rule program's copy changed by a byte: Python compares build IDs. */
@@ -804,14 +822,24 @@ static int judge(struct ctx *c, const struct notif *n)
     if (argc > kept && kept < 2)
         goto out; /* a record too short to judge by: Python's */
     const char *names[3] = {base(c->path), base(c->real), base(argv0)};
-    if (!allows(&c->rules, names, argc > 0 ? 3 : 2, argv1, (int)argc, size))
+    if (!allows(&c->rules, names, argc > 0 ? 3 : 2, argv1, (int)argc, size, dev, ino))
         goto out;
     /* The job is known from the session its shim leads (a child of ours); a process that
      * left it is Python's to place, walking its parents while it lives. */
     long sid = sc(SYS_getsid, pid, 0, 0, 0, 0, 0);
     if (sid <= 0 || !ours(sid))
         goto out;
-    u32 head[4] = {(u32)at, (u32)pid, (u32)sid, (u32)kept};
+    u32 words = (u32)kept;
+    if (!same(c->path, c->real)) {
+        /* The file that ran, where the path led to another (RECORD_FILE: its last word). */
+        long m = slen(c->real);
+        if (at + m + 1 > RECORD_MAX)
+            goto out; /* Python's */
+        memcpy(rec + at, c->real, (unsigned long)m + 1);
+        at += m + 1;
+        words |= RECORD_FILE;
+    }
+    u32 head[4] = {(u32)at, (u32)pid, (u32)sid, words};
     memcpy(rec, head, sizeof head);
     if (sc(SYS_write, c->record_fd, (long)rec, at, 0, 0, 0) != at)
         goto out; /* full: Python records it (it drains first) */

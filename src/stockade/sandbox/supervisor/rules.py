@@ -104,7 +104,14 @@ class Rules:
         self.root: str = sup.workspace.root
         self.approver = bool(cfg.get("approver"))
         allow = self.commands["allow"]
-        self.executable = _more().allowed_files(allow) if allow else None
+        # Under an allowlist, the files of the programs it names -> the names they are listed
+        # by (what the exec judge allows by), and what Landlock lets execute (those, and what
+        # they need); None: no allowlist.
+        self.listed: "Dict[str, List[str]]" = {}
+        self.executable: "Optional[List[str]]" = None
+        if allow:
+            self.listed, needed = _more().allowlist(allow)
+            self.executable = sorted({*self.listed, *needed})
         needs_landlock = self.write is not None or self.executable is not None
         self._ruleset = -1  # built once (below), applied by every shim
         self._inodes: "Dict[str, Tuple[int, int]]" = {}
@@ -293,7 +300,9 @@ class Rules:
             from execjudge import ExecJudge
 
             sizes = _more().program_sizes(self.commands)
-            self._judge = ExecJudge(self.sup, self.commands, sizes, self.approver, self.masked)
+            self._judge = ExecJudge(
+                self.sup, self.commands, sizes, self.approver, self.masked, listed=self.listed
+            )
             self._judge.requests = self._requests  # never an id a verdict still on its way has
         return self._judge
 
@@ -403,7 +412,9 @@ class Rules:
         create's path), before it reads any request. The rule is in force from __init__ on:
         an exec before this waits in the kernel until someone answers."""
         if self.notify and self._entry and self.fast is None:
-            self.fast = FastJudge.start(self._entry, self.listener, judge_config(self.commands, self.masked))
+            self.fast = FastJudge.start(
+                self._entry, self.listener, judge_config(self.commands, self.masked, self.listed)
+            )
             if self.fast is not None:
                 self.events = self.fast.forwards
 
@@ -440,7 +451,7 @@ class Rules:
         data = fast.read_records()
         at, end, head = 0, len(data), RECORD_HEAD.size
         while at + head <= end:
-            size, _pid, session, _kept = RECORD_HEAD.unpack_from(data, at)
+            size, _pid, session, kept = RECORD_HEAD.unpack_from(data, at)
             if size <= head:
                 break  # never written so by judge.c; stop rather than loop
             words = data[at + head : at + size - 1].decode("utf-8", "surrogateescape").split("\0")
@@ -452,6 +463,8 @@ class Rules:
             job.exec_count += 1
             if len(job.execs) < ALLOWED_RECORDS:
                 done = {"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""}
+                if kept & RECORD_FILE:  # the file that ran, where the path led to another
+                    done["file"] = done["argv"].pop()
                 if fits(job, done, ALLOWED_REPORT):
                     job.execs.append(done)
 
@@ -574,14 +587,22 @@ F_SETPIPE_SZ = 1031
 # write of one is a fault, several a command with 64 KiB).
 RECORDS_READ = 4096
 RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
+RECORD_FILE = 0x80000000  # in the words kept: the file that ran follows them (judge.c's)
 
 
-def judge_config(commands: "Dict[str, List[List[str]]]", masked: "Sequence[Sequence[Any]]" = ()) -> bytes:
+def judge_config(
+    commands: "Dict[str, List[List[str]]]",
+    masked: "Sequence[Sequence[Any]]" = (),
+    listed: "Optional[Dict[str, List[str]]]" = None,
+) -> bytes:
     """The rules as judge.c reads them: NUL-ended entries, a letter and its text. The sizes
     of the programs the rules name (``rulespy.program_sizes``) are found by its thread, from
     the folders and names given (``find_sizes``): beside our start, not in it. Those of the
     programs the tier masks (``masked``: what the host read of them) are given: a file of
-    such a size, and any file outside the image (its build ID), goes to Python."""
+    such a size, and any file outside the image (its build ID), goes to Python. Under an
+    allowlist, the files of the programs ``listed`` by a name a rule of one word allows
+    (``Rules.listed``): the only ones judge.c lets run (by their identity, found by its
+    thread as the sizes are); any other exec goes to Python."""
     entries = [f"M{MAX_EXEC_ARGV}"]
     entries += sorted({f"S{int(entry[1])}" for entry in masked if int(entry[1]) > 0})
     for kind in ("deny", "approve"):
@@ -596,7 +617,14 @@ def judge_config(commands: "Dict[str, List[List[str]]]", masked: "Sequence[Seque
     entries += [f"T{name}" for name in INTERPRETERS] + [f"G{folder}" for folder in IMAGE_FOLDERS]
     if commands["allow"]:
         entries.append("L")
-        entries += [f"A{words[0]}" for words in commands["allow"] if words and not _over_argv(words)]
+        from execrules import _glob  # type: ignore[import-not-found]
+
+        alone = [words[0] for words in commands["allow"] if words and not _over_argv(words)]
+        entries += [
+            f"F{path}"
+            for path, names in sorted((listed or {}).items())
+            if any(_glob(name, glob) for name in names for glob in alone)
+        ]
     entries += [f"D{folder}" for folder in PROGRAM_DIRS]
     entries += [f"N{name}" for name in sorted(program_names(commands))]
     return c_entries(entries)

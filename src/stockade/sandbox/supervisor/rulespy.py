@@ -14,7 +14,7 @@ from rules import EPERM, PROGRAM_DIRS, program_names
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Optional, Set, Tuple
+    from typing import Any, Dict, List, Optional, Tuple
 
 
 def setup_python(rules: "Any", needs_landlock: bool) -> None:
@@ -139,36 +139,15 @@ def program_sizes(commands: "Dict[str, List[List[str]]]") -> "Dict[int, List[str
     return sizes
 
 
-def allowed_files(allow: "List[List[str]]") -> "List[str]":
-    """What an allowlist lets run, as files: the programs it names, the interpreters their
-    scripts name, and the ELF loader. Landlock then lets nothing else be executed, from any
+def allowlist(allow: "List[List[str]]") -> "Tuple[Dict[str, List[str]], List[str]]":
+    """What an allowlist lets run, as files (``execrules.allowlisted``): the files of the
+    programs it names, each with the names it is listed by (the exec judge allows an exec by
+    what its file is), and what Landlock lets execute besides for them (their scripts'
+    interpreters, the ELF loader). Landlock then lets nothing else be executed, from any
     path, a copy or a file the code wrote itself included."""
-    import fnmatch
+    from execrules import allowlisted, pattern
 
-    globs = [words[0] for words in allow]
-    files: "Set[str]" = set()
-    for folder in PROGRAM_DIRS:
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            continue
-        for name in names:
-            if any(fnmatch.fnmatchcase(name, g) for g in globs):
-                files.add(os.path.realpath(os.path.join(folder, name)))
-    for path in list(files):
-        try:
-            with open(path, "rb") as fh:
-                head = fh.read(256)
-        except OSError:
-            continue
-        if head.startswith(b"#!"):
-            words = head[2:].split(b"\n", 1)[0].split()
-            if words:
-                files.add(os.path.realpath(words[0].decode("utf-8", "replace")))
-    for loader in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux.so.2"):
-        if os.path.exists(loader):
-            files.add(os.path.realpath(loader))
-    return sorted(files)
+    return allowlisted({pattern(words)[0] for words in allow if words}, "", os.path.realpath)
 
 
 def forwarded(fast: "Any") -> "Optional[Tuple[int, int, int, Tuple[int, ...]]]":
