@@ -136,3 +136,33 @@ def test_an_exec_word_the_sandbox_cut_keeps_no_head_of_a_credential(tmp_path: Pa
     for word in words:
         assert "[REDACTED:cut][... " in word, word[-200:]
         assert "CCCC" not in word and SECRET[:4] not in word, word[-200:]
+
+
+def test_secrets_in_here_documents_reach_no_store(tmp_path: Path) -> None:
+    """A key, a YAML password and an env line written with ``cat <<EOF``: the files hold them,
+    the trail shows every command and no value."""
+    require_tier("process")
+    key_line = "QyNTUxOQAAACDkHEREDOCKEYBODY2"
+    secrets = (key_line, "hunter2xyzHEREDOC", "djangoHEREDOCvalue123")
+    command = (
+        "cat > id_ed25519 <<'EOF'\n-----BEGIN OPENSSH PRIVATE KEY-----\n"
+        f"b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n{key_line}\n"
+        "-----END OPENSSH PRIVATE KEY-----\nEOF\n"
+        f"cat > config.yaml <<EOF\ndb:\n  password: {secrets[1]}\nEOF\n"
+        f"cat > .env <<-EOF\n\tSECRET_KEY={secrets[2]}\n\tEOF\n"
+        "cat id_ed25519 config.yaml .env | wc -l"
+    )
+    store = SQLiteStore(tmp_path / "audit.db")
+    log = AuditLog(store)
+    backend = AuditedBackend(_registry.backend("process"), log, run_id="run-1")
+    with Sandbox.create(backend=backend, limits=Limits(timeout_s=20)) as sbx:
+        result = sbx.commands.run(command)
+        assert result.stdout.strip() == "7" and key_line in sbx.files.read("id_ed25519")
+    log.close()
+    store.close()
+
+    assert verify(SQLiteStore(tmp_path / "audit.db")).ok
+    stored = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("audit.db"))
+    for secret in secrets:
+        assert secret.encode() not in stored
+    assert b"[REDACTED:private_key]" in stored and b"cat id_ed25519 config.yaml .env | wc -l" in stored

@@ -13,8 +13,9 @@ dict; add your own to the pipeline. Two more rules need no pipeline entry:
 
 ``redact_tokens`` catches what looks like a credential even when nobody registered it:
 ``sk-...`` API keys, GitHub, Stripe, GitLab, Hugging Face and npm tokens, AWS access key ids,
-``Bearer ...``, JWTs, private key blocks, values assigned to a credential's name
-(``PGPASSWORD=x``, ``"password": "x"``, ``secret='a b'``, ``password => x``), given to a
+``Bearer ...`` (``token ...``), JWTs, private key blocks (OpenPGP's too), a ``Cookie:`` header's
+value, values assigned to a credential's name (``PGPASSWORD=x``, ``SECRET_KEY=x``, ``"password":
+"x"``, ``secret='a b'``, ``password => x``), given to a
 credential's flag (``--password x``, ``--api-key x``, ``curl -u user:x``), and the password of
 a URL (``https://user:x@host``). A value ends where a shell would end it (``;``, ``|``, ``$(``
 ..., a quote or a newline; a character a backslash escapes does not end it): what follows is
@@ -25,7 +26,9 @@ its own (``["--password", "x"]``).
 A command's text (``ShellText``: ``sh -c``'s script, a command tool's ``command``) is read as
 the shell reads it, from its start through its quotes (``Redactor.shell``): the patterns are
 applied to each of its words alone, since a regex cannot tell a quote that opens a value from
-one that closes an earlier string (``X="PASSWORD="ab rm -rf src""`` runs ``rm``).
+one that closes an earlier string (``X="PASSWORD="ab rm -rf src""`` runs ``rm``). A
+here-document's text is read so too, from the line after its ``<<`` to its word: its words, a
+name with ``=`` and its value (``PASSWORD = "x"``), and each private key in it whole.
 
 A text someone cut before it reached the redactor (a sandbox caps the words of an exec it
 reports) may end with half a credential, which no pattern and no registered value matches:
@@ -82,7 +85,12 @@ CACHE_SIZE = 4096
 
 # What a name that holds a credential ends with, in text (``PGPASSWORD=``, ``"accessToken":``,
 # ``db_pass=``; a bare ``pass`` is a word too often: ``bypass``, ``compass``).
-_NAMES = r"password|passwd|passphrase|secret|token|api[_\-]?key|access[_\-]?key|[_.\-]pass"
+# ``SECRET_KEY=``, ``PRIVATE_KEY=``: a key of a kind that is secret; not a bare ``key``
+# (``sort_key``, ``cache_key``).
+_NAMES = (
+    r"password|passwd|passphrase|secret|token|api[_\-]?key|access[_\-]?key|[_.\-]pass"
+    r"|(?:secret|private|signing|encryption|master)[_\-]?key"
+)
 # What ends a value that is not quoted: besides a space or a quote, what a shell reads as the
 # end of a word (``;`` ``&`` ``|`` ``<`` ``>`` ``(`` ``)``) or the start of an expansion (``$``,
 # a backtick). A value ran through them: ``--token x;rm -rf src`` hid the ``rm`` in the trail.
@@ -128,6 +136,12 @@ _JSON = rf"(?:{_QUOTED}|\\(?:[\"\\/bfnrt]|u[0-9A-Fa-f]{{4}}))"
 # is searched for as one, thirty times faster than one tried at every position.)
 TOKEN_PATTERNS: dict[str, str] = {
     "private_key": rf"-----BEGIN [A-Z ]*PRIVATE KEY-----{_PEM_BODY}",
+    # an OpenPGP secret key's armor: its headers (words, never what ends a shell's command), a
+    # blank line, base64 lines and its checksum, up to its END line
+    "pgp_private_key": (
+        rf"-----BEGIN PGP PRIVATE KEY BLOCK-----(?:{_NL}[ \t]*(?:[\w\-]+:[ \t][\w .,@+/:=\-]*"
+        rf"|[A-Za-z0-9+/=]+[ \t]*)?(?={_NL}|\Z))*(?:{_NL}[ \t]*-----END PGP PRIVATE KEY BLOCK-----)?"
+    ),
     "api_key": r"sk-(?<!\wsk-)(?:[A-Za-z0-9]+-)*[A-Za-z0-9_\-]{16,}",
     "github_token": r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{22,})",
     "aws_access_key": r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",
@@ -141,7 +155,11 @@ TOKEN_PATTERNS: dict[str, str] = {
     "npm_token": r"npm_(?<!\wnpm_)[A-Za-z0-9]{36}\b",
     "jwt": r"eyJ(?<!\weyJ)[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}",
     # an HTTP credential: the token must contain a digit, so that "Token ordinaryword" stays
-    "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)(?=[A-Za-z\-._~+/]*\d)[A-Za-z0-9\-._~+/]{12,}=*",
+    "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|[Tt]oken)\s+)(?=[A-Za-z\-._~+/]*\d)[A-Za-z0-9\-._~+/]{12,}=*",
+    # Cookie: session=x (an HTTP header; its first cookie's value)
+    "cookie": (
+        rf"(?P<keep>\b(?i:cookie)[ \t]*:[ \t]*[^\s=;'\"\\{_SHELL}]+=)(?!\[REDACTED)(?:(?!,){_BARE}){{4,}}"
+    ),
     # "password": "x y" (JSON, its value up to the closing quote, spaces and escapes included)
     "json_assignment": (
         rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"[ \t]*:[ \t]*\")(?!\[REDACTED){_JSON}{{4,{_LONGEST}}}(?=\")"
@@ -195,7 +213,10 @@ TAIL_PATTERNS: dict[str, str] = {
     "huggingface_token": r"\bhf_[A-Za-z0-9]*\Z",
     "npm_token": r"\bnpm_[A-Za-z0-9]*\Z",
     "jwt": r"\beyJ[A-Za-z0-9_\-.]*\Z",
-    "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)[A-Za-z0-9\-._~+/]+=*\Z",
+    "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|[Tt]oken)\s+)[A-Za-z0-9\-._~+/]+=*\Z",
+    "cookie": (
+        rf"(?P<keep>\b(?i:cookie)[ \t]*:[ \t]*[^\s=;'\"\\{_SHELL}]+=)(?!\[REDACTED)(?:(?!,){_BARE})*\\?\Z"
+    ),
     "json_assignment": (
         rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"[ \t]*:[ \t]*\")(?!\[REDACTED)"
         rf"{_JSON}{{0,{_LONGEST}}}(?:\\(?:u[0-9A-Fa-f]{{0,3}})?)?\Z"
@@ -272,7 +293,7 @@ _ANY = re.compile("|".join(f"(?:{p.replace('?P<keep>', '')})" for p in TOKEN_PAT
 # Most text holds none, and a search for these costs a tenth of ``_ANY``'s.
 _WORDS = re.compile(
     rf"(?i:{_NAMES})|sk-|gh[pousr]_|github_pat_|AKIA|ASIA|xox[abposr]-|AIza|[rs]k_(?:live|test)_|glpat-"
-    r"|hf_|npm_|eyJ|[Bb]earer|Basic|Token|://|-----BEGIN|(?<![\w\-])-(?:u|-user)[ \t]"
+    r"|hf_|npm_|eyJ|[Bb]earer|Basic|[Tt]oken|(?i:cookie)|://|-----BEGIN|(?<![\w\-])-(?:u|-user)[ \t]"
 )
 
 
@@ -336,9 +357,22 @@ _RUN = re.compile(r"(?:[^\s;&|<>()`\\]|\\[^\n])+")
 # A word whose value is the next word: a credential's flag, curl's user, an HTTP scheme, the
 # word password, a name given with ``:`` or ``=>`` (never ``NAME= x``: the shell runs ``x``).
 _VALUE_NEXT = re.compile(
-    rf"--?[\w\-]*(?i:{_NAMES})|-u|--user|[Bb]earer|Basic|Token|(?i:password|passwd|passphrase)"
-    rf"|\S*(?i:{_NAMES})\\?[\"']?(?:=>|:)"
+    rf"--?[\w\-]*(?i:{_NAMES})|-u|--user|[Bb]earer|Basic|[Tt]oken|(?i:password|passwd|passphrase)"
+    rf"|\S*(?i:{_NAMES})\\?[\"']?(?:=>|:)|(?i:cookie):"
 )
+# In a here-document's text (a config file, a script for another language) a name is given its
+# value with blanks around too (``PASSWORD = "x"``): a word naming a credential, and ``=``.
+_NAME_WORD = re.compile(rf"\S*(?i:{_NAMES})\\?[\"']?")
+_GIVES_WORD = frozenset({"=", ":", "=>"})
+# A private key in a here-document's text, from its BEGIN line to its END line: a piece of its
+# own, since its lines are no shell words. Its lines: base64, or a header of words.
+_KEY_BLOCK = re.compile(
+    r"^[ \t]*-----BEGIN (?P<kind>[A-Z ]*PRIVATE KEY(?: BLOCK)?)-----[ \t]*\r?\n"
+    r"(?:[ \t]*(?:[\w\-]+:[ \t][\w .,@+/:=\t\-]*|[A-Za-z0-9+/=]*[ \t]*)\r?\n)*"
+    r"[ \t]*-----END (?P=kind)-----",
+    re.MULTILINE,
+)
+_DEEPEST = 3  # here-documents in here-documents: past this, the text is read as runs
 
 
 class _Unread(Exception):
@@ -346,40 +380,68 @@ class _Unread(Exception):
     out of ``_shell_pieces``)."""
 
 
-def _shell_pieces(text: str) -> list[tuple[int, int]]:
+def _shell_pieces(text: str, *, depth: int = 0, data: bool = False) -> list[tuple[int, int]]:
     """The spans of ``text``, a shell's script, that are redacted each alone: each word the
-    shell reads (with its quotes), a credential's flag with the word after it, and in a word
-    holding ``$(...)`` or backticks the parts around them and the words inside.
+    shell reads (with its quotes), a credential's flag with the word after it, in a word
+    holding ``$(...)`` or backticks the parts around them and the words inside, and the text
+    of a here-document (``_here_text``). ``data``: ``text`` is a here-document's, where a name
+    is also given its value as ``NAME = value``.
 
     A text this reader may misread (an unclosed quote, ``$'...'`` which bash and dash read
-    apart, a here-document, ``case`` inside ``$(...)``) is cut into runs no shell ends a word in
-    (``_RUN``) instead; never the whole text: a shell runs the lines before the one it cannot
-    parse, and a value the regexes took past a quote they misread hid them."""
+    apart, ``case`` inside ``$(...)``) is cut into runs no shell ends a word in (``_RUN``)
+    instead; never the whole text: a shell runs the lines before the one it cannot parse, and a
+    value the regexes took past a quote they misread hid them."""
     try:
-        segments = _segments(text, 0, nested=False)[0]
-    except _Unread:
-        return [match.span() for match in _RUN.finditer(text)]
+        segments = _segments(text, 0, nested=False, depth=depth)[0]
+    except (_Unread, RecursionError):  # RecursionError: ``$(`` in ``$(`` ... past Python's stack
+        segments = [(*match.span(), True) for match in _RUN.finditer(text)]
+    return _paired(text, segments, data=data)
+
+
+def _paired(text: str, segments: list[tuple[int, int, bool]], *, data: bool) -> list[tuple[int, int]]:
+    """``segments`` as pieces, a word whose value is the next word (``_VALUE_NEXT``; in a
+    here-document's text, a name and ``=``) joined with it when only blanks part them."""
     pieces: list[tuple[int, int]] = []
     at = 0
     while at < len(segments):
         start, end, whole = segments[at]
-        if whole and at + 1 < len(segments) and _VALUE_NEXT.fullmatch(text, start, end):
-            after, last, next_whole = segments[at + 1]
-            if next_whole and not text[end:after].strip(" \t") and text[after] != "-":
-                pieces.append((start, last))
-                at += 2
-                continue
-        pieces.append((start, end))
-        at += 1
+        last = _value_end(text, segments, at, data=data) if whole else None
+        if last is None:
+            pieces.append((start, end))
+            at += 1
+        else:
+            pieces.append((start, segments[last][1]))
+            at = last + 1
     return pieces
 
 
-def _segments(text: str, i: int, *, nested: bool) -> tuple[list[tuple[int, int, bool]], int]:
+def _value_end(text: str, segments: list[tuple[int, int, bool]], at: int, *, data: bool) -> int | None:
+    """The index of the value's segment when the one at ``at`` is given the value after it."""
+    start, end = segments[at][:2]
+    value = at + 1
+    if data and value + 1 < len(segments) and _NAME_WORD.fullmatch(text, start, end):
+        gives = segments[value]
+        if gives[2] and text[gives[0] : gives[1]] in _GIVES_WORD and _blank(text, end, gives[0]):
+            value, end = value + 1, gives[1]
+    if value == at + 1 and not _VALUE_NEXT.fullmatch(text, start, end):
+        return None
+    if value >= len(segments):
+        return None
+    after, _, whole = segments[value]
+    return value if whole and _blank(text, end, after) and text[after] != "-" else None
+
+
+def _blank(text: str, start: int, end: int) -> bool:
+    return not text[start:end].strip(" \t")
+
+
+def _segments(text: str, i: int, *, nested: bool, depth: int) -> tuple[list[tuple[int, int, bool]], int]:
     """``(start, end, whole)`` of the words from ``i`` (``whole``: a word with no substitution
     in it), up to the end, or when ``nested`` up to the ``)`` that closes a ``$(``; and where
-    that stopped."""
+    that stopped. A here-document's text is read at the end of the line that gave it."""
     out: list[tuple[int, int, bool]] = []
-    depth = 0
+    here: list[tuple[str, bool, bool]] = []  # the here-documents whose text the next line begins
+    parens = 0
     while i < len(text):
         char = text[i]
         if char == "#":  # a comment, to the end of its line: not run, but it may hold a secret
@@ -390,25 +452,108 @@ def _segments(text: str, i: int, *, nested: bool) -> tuple[list[tuple[int, int, 
             continue
         if char not in _ENDS:
             start = i
-            i = _word(text, i, out)
+            i = _word(text, i, out, depth)
+            if here and "\n" in text[start:i]:  # the text begins inside the word: not read
+                raise _Unread
             if nested and text[start:i] == "case":  # its patterns end in a ")" of their own
                 raise _Unread
             continue
-        if text.startswith("<<", i) and not text.startswith("<<<", i):
-            raise _Unread  # a here-document's lines are no words of the script
+        if char == "<" or (char == "\n" and here):
+            i = _here(text, i, out, here, depth)
+            continue
         if char == "(":
-            depth += 1
+            parens += 1
         elif char == ")":
-            if nested and depth == 0:
+            if nested and parens == 0:
+                if here:  # its text would be read after the ")"
+                    raise _Unread
                 return out, i + 1
-            depth -= 1
+            parens -= 1
         i += 1
     if nested:
         raise _Unread
     return out, i
 
 
-def _word(text: str, i: int, out: list[tuple[int, int, bool]]) -> int:
+def _here(
+    text: str, i: int, out: list[tuple[int, int, bool]], here: list[tuple[str, bool, bool]], depth: int
+) -> int:
+    """Reads a here-document's ``<<`` and word at ``i``, or at a line's end the texts of those
+    its line gave; past a ``<`` or a here-string's ``<<<`` otherwise."""
+    if text[i] == "\n":
+        return _here_text(text, i + 1, out, here, depth)
+    if text.startswith("<<<", i):  # a here-string: its word follows, on its line
+        return i + 3
+    if text.startswith("<<", i):
+        return _here_word(text, i, out, here, depth)
+    return i + 1
+
+
+def _here_word(
+    text: str, i: int, out: list[tuple[int, int, bool]], here: list[tuple[str, bool, bool]], depth: int
+) -> int:
+    """Reads the ``<<`` (or ``<<-``) at ``i`` and the word after it, which ends the here-document
+    (quoted: its text is the shell's to read as it is); where that word ends."""
+    i += 2
+    tabs = text.startswith("-", i)
+    i += tabs
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    if i >= len(text) or text[i] in _ENDS:
+        raise _Unread
+    start, words = i, list[tuple[int, int, bool]]()
+    i = _word(text, i, words, depth)
+    if len(words) != 1 or not words[0][2]:  # a substitution in it: the shells differ
+        raise _Unread
+    written = text[start:i]
+    delimiter = re.sub(r"\\(.)|['\"]", lambda match: match.group(1) or "", written)
+    out.extend(words)
+    here.append((delimiter, tabs, delimiter != written))
+    return i
+
+
+def _here_text(
+    text: str, i: int, out: list[tuple[int, int, bool]], here: list[tuple[str, bool, bool]], depth: int
+) -> int:
+    """Reads the texts of ``here``'s documents, the first from ``i``, each up to the line that
+    is its word (``<<-``: after its tabs), or to the end of ``text``; where they end."""
+    for delimiter, tabs, quoted in here:
+        start = end = i
+        while i < len(text):
+            eol = text.find("\n", i)
+            eol = len(text) if eol < 0 else eol
+            line = text[i:eol]
+            end, i = i, eol + 1
+            if (line.lstrip("\t") if tabs else line) == delimiter:
+                break
+            if not quoted and line.endswith("\\"):  # joined to the next line: the shells differ
+                raise _Unread
+        else:
+            end = len(text)
+        if depth >= _DEEPEST:
+            raise _Unread
+        out.extend((a, b, False) for a, b in _document(text, start, end, depth + 1))
+    here.clear()
+    return min(i, len(text))
+
+
+def _document(text: str, start: int, end: int, depth: int) -> list[tuple[int, int]]:
+    """The pieces of a here-document's text, ``text[start:end]``: what a program reads (a
+    config file, a script, a key), whose words hold its values; and each private key whole.
+
+    Read word by word as a script (``_shell_pieces``): a value never takes in what follows its
+    word, whatever the program makes of it, since it may be a shell (``sh <<EOF``)."""
+    pieces: list[tuple[int, int]] = []
+    at = start
+    for key in _KEY_BLOCK.finditer(text, start, end):
+        pieces += [(at + a, at + b) for a, b in _shell_pieces(text[at : key.start()], depth=depth, data=True)]
+        pieces.append(key.span())
+        at = key.end()
+    pieces += [(at + a, at + b) for a, b in _shell_pieces(text[at:end], depth=depth, data=True)]
+    return pieces
+
+
+def _word(text: str, i: int, out: list[tuple[int, int, bool]], depth: int) -> int:
     """Reads the word at ``i`` into ``out``; where it ends."""
     start = part = i
     whole, quoted = True, False  # quoted: inside "..."
@@ -429,7 +574,7 @@ def _word(text: str, i: int, out: list[tuple[int, int, bool]]) -> int:
             if part < i:
                 out.append((part, i, False))
             whole = False
-            i = _backticks(text, i, out, quoted=quoted) if char == "`" else _nested(text, i + 2, out)
+            i = _backticks(text, i, out, quoted=quoted) if char == "`" else _nested(text, i + 2, out, depth)
             part = i
         else:
             i += 1
@@ -441,9 +586,9 @@ def _word(text: str, i: int, out: list[tuple[int, int, bool]]) -> int:
     return i
 
 
-def _nested(text: str, i: int, out: list[tuple[int, int, bool]]) -> int:
+def _nested(text: str, i: int, out: list[tuple[int, int, bool]], depth: int) -> int:
     """Reads the words of the ``$(...)`` whose script starts at ``i``; where it ends."""
-    inner, end = _segments(text, i, nested=True)
+    inner, end = _segments(text, i, nested=True, depth=depth)
     out.extend(inner)
     return end
 

@@ -34,6 +34,7 @@ CREDENTIALS = {
     "npm_token": ("npm_", "Q1w2E3r4T5y6U7i8O9p0AsDfGhJkLzXcVbNm"),
     "jwt": ("eyJ", "hbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.Sfl2KxwRJSMeKKF2QT4fwpM"),
     "bearer": ("Authorization: Bearer ", "Zq8Wm3Xk7Vn2Bc5Lp9Rt4Yh6Gj1Df0Sa"),
+    "cookie": ("Cookie: session=", "Vb3Nq8Lx2Wk5Rt7Hz1"),
     "json_assignment": ('{"password": "', "Kw7 open sesame Qx2"),
     "quoted_assignment": ("passphrase='", "Mv4 open sesame Pz8"),
     "url_password": ("https://deploy:", "Hx3pN8qR2vL6"),
@@ -45,7 +46,8 @@ CREDENTIALS = {
 
 
 def test_every_token_pattern_has_a_sample() -> None:
-    assert set(CREDENTIALS) == set(TOKEN_PATTERNS) - {"private_key"}  # its body is redacted to the end
+    keys = {"private_key", "pgp_private_key"}  # a key's body is redacted to the end
+    assert set(CREDENTIALS) == set(TOKEN_PATTERNS) - keys
 
 
 @settings(max_examples=400, deadline=None)
