@@ -267,6 +267,56 @@ def test_a_dying_interpreter_is_reported_and_replaced(sbx: Sandbox) -> None:
     assert sbx.run_code("2 * 21").text == "42"
 
 
+def test_signals_a_fresh_python_turns_into_exceptions_are_exceptions_and_the_state_stays(
+    sbx: Sandbox,
+) -> None:
+    """The interpreter is a fork, not a fresh ``python3``, so CPython's start-up never set its
+    signals: SIGPIPE, SIGXFSZ and SIGINT were at their defaults, and a write to a closed peer
+    (an egress proxy that answers and closes), a write past the file-size limit or a Ctrl-C
+    of its own killed it, every variable lost. Now they raise, as under ``python3``."""
+    sbx.run_code("state = 'kept'")
+    raised = [
+        ("BrokenPipeError", "import os\nr, w = os.pipe()\nos.close(r)\nos.write(w, b'x')"),
+        ("BrokenPipeError", "import socket\na, b = socket.socketpair()\nb.close()\na.send(b'x')"),
+        (
+            "OSError",  # EFBIG
+            "import os, resource\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))\n"
+            "try:\n"
+            "    with open('past-the-limit', 'wb') as f:\n"
+            "        f.write(b'x' * 4096)\n"
+            "finally:\n"
+            "    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))\n"
+            "    os.remove('past-the-limit')\n",
+        ),
+        ("KeyboardInterrupt", "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(10)"),
+    ]
+    for name, code in raised:
+        ex = sbx.run_code(code, timeout_s=20)
+        assert ex.error is not None and ex.error.name == name and not ex.timed_out, ex
+    assert sbx.run_code("state").text == "'kept'"
+    # One between runs interrupts nothing of the code's (as a notebook's kernel, idle).
+    pid = sbx.run_code("import os; os.getpid()").text
+    assert sbx.commands.run(f"kill -INT {pid}").exit_code == 0
+    assert sbx.run_code("state").text == "'kept'"
+
+
+def test_programs_started_from_code_or_as_commands_get_the_default_signals_back(sbx: Sandbox) -> None:
+    """What the interpreter ignores is its own: in a shell's ``yes | head -1``, as a command
+    and through ``subprocess`` (as under ``python3``), ``yes`` dies of SIGPIPE at once,
+    silently; one that ignored it would go on to complain of a broken pipe."""
+    shell = sbx.commands.run("yes | head -1", timeout_s=10)
+    assert (shell.exit_code, shell.stdout, shell.stderr, shell.timed_out) == (0, "y\n", "", False), shell
+    ex = sbx.run_code(
+        "import subprocess\n"
+        "done = subprocess.run('yes | head -1', shell=True, timeout=10, capture_output=True)\n"
+        "done.returncode, done.stdout, done.stderr",
+        timeout_s=20,
+    )
+    assert (ex.error, ex.text) == (None, "(0, b'y\\n', b'')"), ex
+
+
 # Code that raises an exception of the name the sandbox gives the interpreter's death, just
 # after a child of its own was killed by the memory limit (on gVisor and the microVM the child
 # gets a MemoryError instead: RLIMIT_AS).

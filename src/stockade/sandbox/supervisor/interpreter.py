@@ -13,6 +13,7 @@ process itself). Only C modules here; the rest is imported where it is used.
 from __future__ import annotations
 
 import _ast
+import _signal
 import builtins
 import fcntl
 import io
@@ -39,7 +40,7 @@ from protocol import (  # type: ignore[import-not-found]
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Optional
+    from typing import Any, Callable, Optional
 
 CELL = "<cell>"
 # What one run may send back: a larger value is cut or dropped with a mark, never the
@@ -267,7 +268,7 @@ class Interpreter:
         error = None
         cut = False
         try:
-            value = self._execute(code)
+            value = _interruptible(self._execute, code)
             if value is not None:
                 self.namespace["_"] = value
                 self._displayed.append(mime_bundle(value))
@@ -442,6 +443,38 @@ class _Streams:
         setattr(sys, "stdout" if fd == 1 else "stderr", text)
 
 
+def _python_signals() -> None:
+    """The dispositions CPython sets at its start, which a fork of the zygote never went
+    through (its shim set every signal back to default, as a command needs them): SIGPIPE
+    and SIGXFSZ ignored, so that a write to a closed peer or past the file-size limit raises
+    (BrokenPipeError, OSError) instead of killing us with the code's state; SIGINT raising
+    KeyboardInterrupt (``_interrupt``). What the code starts gets the defaults back as under
+    ``python3`` (subprocess's ``restore_signals``, an exec's reset of handlers)."""
+    _signal.signal(_signal.SIGPIPE, _signal.SIG_IGN)
+    _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)
+    _signal.signal(_signal.SIGINT, _interrupt)
+
+
+_code_runs = False  # while a run's code runs: see _interrupt
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGINT: KeyboardInterrupt in the code that runs, as under ``python3``. Between runs it
+    interrupts no code and is dropped, as by a notebook's idle kernel: raised in our loop
+    (where the handler runs whenever the signal came), it ended the interpreter."""
+    if _code_runs:
+        _signal.default_int_handler(signum, frame)
+
+
+def _interruptible(execute: "Callable[[str], Any]", code: str) -> Any:
+    global _code_runs
+    _code_runs = True
+    try:
+        return execute(code)
+    finally:
+        _code_runs = False
+
+
 def _close_quietly(*fds: int) -> None:
     for fd in fds:
         try:
@@ -452,6 +485,7 @@ def _close_quietly(*fds: int) -> None:
 
 def main(ctl_in: int, ctl_out: int) -> None:
     """Serve run requests on two pipe fds until the supervisor closes them."""
+    _python_signals()
     # Before any code runs (so it cannot be forged): who we are, for the supervisor, which
     # ends every process a run started, but not us, when the run ends.
     os.write(ctl_out, encode({"ev": "hello", "pid": os.getpid()}))
