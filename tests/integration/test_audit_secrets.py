@@ -166,3 +166,25 @@ def test_secrets_in_here_documents_reach_no_store(tmp_path: Path) -> None:
     for secret in secrets:
         assert secret.encode() not in stored
     assert b"[REDACTED:private_key]" in stored and b"cat id_ed25519 config.yaml .env | wc -l" in stored
+
+
+def test_a_command_hidden_in_a_program_is_in_the_trail_and_its_secret_is_not(tmp_path: Path) -> None:
+    """A bash program and Python code whose string ends with a credential's flag: the value
+    once ran across the closing quote and ``;``, and the trail showed ``[REDACTED:flag]`` where
+    the program removed a folder."""
+    require_tier("process")
+    store = SQLiteStore(tmp_path / "audit.db")
+    log = AuditLog(store)
+    with Sandbox.create(
+        backend=AuditedBackend(_registry.backend("process"), log, run_id="r2"), limits=Limits(timeout_s=20)
+    ) as sbx:
+        sbx.run_code('mkdir -p src\nV="--password "; rm -rf src; echo "done" --token Zq9hunter2x\n', "bash")
+        sbx.run_code('import os\nos.makedirs("src2")\nP = "--password "; os.rmdir("src2"); Q = "x"')
+        sbx.run_code('password = "Zq9 hunter2x"')
+        assert not sbx.files.exists("src") and not sbx.files.exists("src2")
+    log.close()
+    programs = [e.attributes.get("program") or e.attributes.get("code") for e in store.events(run_id="r2")]
+    recorded = json.dumps(programs)
+    assert "rm -rf src; echo" in recorded and 'os.rmdir(\\"src2\\")' in recorded
+    assert "Zq9hunter2x" not in recorded and "Zq9 hunter2x" not in recorded
+    store.close()

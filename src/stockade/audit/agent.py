@@ -66,6 +66,7 @@ from stockade.agent.state import RunStatus, ToolCallRecord, args_measure
 from stockade.audit.events import STORED, EventKind, JSONValue
 from stockade.audit.log import AuditLog
 from stockade.audit.redact import Redactor, ShellText
+from stockade.audit.sandbox import program_text
 from stockade.policy.agent import COMMAND_TOOLS
 
 __all__ = ["AuditObserver"]
@@ -98,12 +99,15 @@ def _plain(value: JsonValue) -> JsonValue:
 def _args(tool: str, asked: Mapping[str, JsonValue], redactor: Redactor) -> dict[str, JSONValue]:
     """The attributes that record a call's arguments: ``args``, cut past ``ARGS_CAP`` (what is
     cut is redacted first; the size and digest are of the arguments as asked). A command
-    tool's ``command`` is a shell's script (``ShellText``): redacted word by word."""
+    tool's ``command`` is a shell's script (``ShellText``): redacted word by word; run_code's
+    ``code`` is its language's (``program_text``)."""
     size, digest = args_measure(asked)
     args = {plain(key): _plain(value) for key, value in asked.items()}
-    command = args.get("command")
+    command, code, language = args.get("command"), args.get("code"), args.get("language")
     if tool in COMMAND_TOOLS and isinstance(command, str):
         args["command"] = ShellText(command)
+    if tool == "run_code" and isinstance(code, str):
+        args["code"] = program_text(language if isinstance(language, str) else "python", code)
     if size <= ARGS_CAP:
         return {"args": args}
     share = ARGS_CAP // max(min(len(args), ARGS_KEYS), 1)

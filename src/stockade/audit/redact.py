@@ -29,6 +29,9 @@ applied to each of its words alone, since a regex cannot tell a quote that opens
 one that closes an earlier string (``X="PASSWORD="ab rm -rf src""`` runs ``rm``). A
 here-document's text is read so too, from the line after its ``<<`` to its word: its words, a
 name with ``=`` and its value (``PASSWORD = "x"``), and each private key in it whole.
+A program's source in another language (``CodeText``: run_code's Python, node, ...) is
+redacted statement by statement (``Redactor.code``): a value ends at its line's end, at a ``;``
+and at the quote that closes its string.
 
 A text someone cut before it reached the redactor (a sandbox caps the words of an exec it
 reports) may end with half a credential, which no pattern and no registered value matches:
@@ -51,6 +54,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import string
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -67,6 +71,7 @@ __all__ = [
     "REDACTED",
     "TAIL_PATTERNS",
     "TOKEN_PATTERNS",
+    "CodeText",
     "Redactor",
     "SecretValues",
     "ShellText",
@@ -91,6 +96,10 @@ _NAMES = (
     r"password|passwd|passphrase|secret|token|api[_\-]?key|access[_\-]?key|[_.\-]pass"
     r"|(?:secret|private|signing|encryption|master)[_\-]?key"
 )
+# The name before a value, from the start of its run of name characters (``db.password``,
+# ``x-api-key``): written ``\b[\w.\-]*``, a match was tried from every word boundary of a run, each
+# a scan to its end (``a.a.a.…`` took minutes); from the run's start only, once per run.
+_NAMED = rf"(?<![\w.\-])[\w.\-]*(?i:{_NAMES})"
 # What ends a value that is not quoted: besides a space or a quote, what a shell reads as the
 # end of a word (``;`` ``&`` ``|`` ``<`` ``>`` ``(`` ``)``) or the start of an expansion (``$``,
 # a backtick). A value ran through them: ``--token x;rm -rf src`` hid the ``rm`` in the trail.
@@ -108,8 +117,9 @@ _SQ = rf"(?:{_QUOTED}|\\)"
 # A character of an unquoted value: not a space, a quote, a backslash nor what ends a shell's
 # word; or any a backslash escapes (``PGPASSWORD=Xy\$9k`` is the one word ``Xy$9k``).
 _BARE = rf"(?:[^\s\"'\\{_SHELL}]|\\[^\n])"
-# A quoted value longer than this is no credential: a value stops being read past it.
-_LONGEST = 4096
+# A quoted value longer than this is no credential: a value stops being read past it (a longer
+# token has no space, and the patterns of unquoted values take it whole).
+_LONGEST = 256
 # How a value is given to a name: ``=``, ``:``, and ``=>`` (Perl, PHP, Ruby); not ``==``.
 _GIVES = r"(?:=>|[=:](?![=>]))"
 # A private key's body: its lines (also written ``\n`` in a string), each base64, an encrypted
@@ -166,13 +176,13 @@ TOKEN_PATTERNS: dict[str, str] = {
     ),
     # passphrase='open sesame', TOKEN="a b c", password => 'x': a quoted value, up to its quote
     "quoted_assignment": (
-        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})[ \t]*{_GIVES}[ \t]*['\"])(?!\[REDACTED)"
+        rf"(?P<keep>{_NAMED}[ \t]*{_GIVES}[ \t]*['\"])(?!\[REDACTED)"
         rf"(?:(?<='){_SQ}{{4,{_LONGEST}}}(?=')|(?<=\"){_DQ}{{4,{_LONGEST}}}(?=\"))"
     ),
     # https://user:password@host, redis://:password@host: the password of a URL's user information
     # (a user that is a mark already, "[REDACTED:github_token]", is no user and password)
     "url_password": (
-        r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://(?!\[REDACTED)[^\s/:@'\"]*:)(?!\[REDACTED)"
+        r"(?P<keep>(?<=[A-Za-z0-9+.\-])://(?!\[REDACTED)[^\s/:@'\"]*:)(?!\[REDACTED)"
         rf"[^\s/@'\"{_SHELL}]+(?=@)"
     ),
     # --password hunter2, --api-key abcd (a command's flag, its value after a space)
@@ -187,7 +197,7 @@ TOKEN_PATTERNS: dict[str, str] = {
     ),
     # password=x, PGPASSWORD=x, accessToken: x, 'secret': 'x', \"token\": \"x\" (JSON in a string)
     "assignment": (
-        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?[ \t]*{_GIVES}[ \t]*(?P<opened>\\?[\"'])?)"
+        rf"(?P<keep>{_NAMED}(?:\\?[\"'])?[ \t]*{_GIVES}[ \t]*(?P<opened>\\?[\"'])?)"
         rf"(?!\[REDACTED|(?i:true|false|null|none)\b){_ASSIGNED}{{4,}}"
     ),
     # "db failed: password Zq9hunter2" (an error message): a word after the word password that
@@ -222,11 +232,11 @@ TAIL_PATTERNS: dict[str, str] = {
         rf"{_JSON}{{0,{_LONGEST}}}(?:\\(?:u[0-9A-Fa-f]{{0,3}})?)?\Z"
     ),
     "quoted_assignment": (
-        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})[ \t]*{_GIVES}[ \t]*['\"])(?!\[REDACTED)"
+        rf"(?P<keep>{_NAMED}[ \t]*{_GIVES}[ \t]*['\"])(?!\[REDACTED)"
         rf"(?:(?<='){_SQ}{{0,{_LONGEST}}}|(?<=\"){_DQ}{{0,{_LONGEST}}}\\?)\Z"
     ),
     "url_password": (
-        r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://(?!\[REDACTED)[^\s/:@'\"]*:)(?!\[REDACTED)"
+        r"(?P<keep>(?<=[A-Za-z0-9+.\-])://(?!\[REDACTED)[^\s/:@'\"]*:)(?!\[REDACTED)"
         rf"[^\s/@'\"{_SHELL}]*\Z"
     ),
     "flag": (
@@ -238,7 +248,7 @@ TAIL_PATTERNS: dict[str, str] = {
         rf"{_BARE}*\\?\Z"
     ),
     "assignment": (
-        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?[ \t]*{_GIVES}[ \t]*(?P<opened>\\?[\"'])?)"
+        rf"(?P<keep>{_NAMED}(?:\\?[\"'])?[ \t]*{_GIVES}[ \t]*(?P<opened>\\?[\"'])?)"
         rf"(?!\[REDACTED){_ASSIGNED}*\\?\Z"
     ),
     "spaced_password": (
@@ -248,7 +258,7 @@ TAIL_PATTERNS: dict[str, str] = {
 # The same for PERSONAL_DATA_PATTERNS: an e-mail address, a number (a card, a phone, an IPv4
 # address, an SSN), an IBAN or an IPv6 address that the cut ended.
 PERSONAL_TAIL_PATTERNS: dict[str, str] = {
-    "email": r"\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]*\Z",
+    "email": r"(?<![A-Za-z0-9._%+\-])[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]*\Z",
     "number": r"(?:\+|\(|\b\d)[\d .\-()]*\Z",
     "iban": r"\b[A-Z]{2}\d{2}[A-Z0-9 ]*\Z",
     "ipv6": r"\b[0-9A-Fa-f]{1,4}:[0-9A-Fa-f:]*\Z",
@@ -605,9 +615,66 @@ def _backticks(text: str, i: int, out: list[tuple[int, int, bool]], *, quoted: b
     return end + 1
 
 
+class CodeText(str):
+    """A program's source in a language other than a shell's (``run_code``'s Python, node,
+    ...): a ``Redactor`` replaces only inside each of its statements (``Redactor.code``), so
+    that a value never runs past the quote that closes its string (``P = "--password ";
+    os.rmdir(...)`` was recorded as ``P = "--password "[REDACTED:flag]"...``). It stays one when
+    redacted and cut, as ``ShellText`` does."""
+
+    __slots__ = ()
+
+
+# A key's lines in code: one piece, redacted whole (OpenPGP's armor too).
+_CODE_KEY_BLOCK = re.compile(f"{TOKEN_PATTERNS['private_key']}|{TOKEN_PATTERNS['pgp_private_key']}")
+_GIVEN = re.compile(rf"[ \t]*{_GIVES}")  # after a string, a value given to it (a key: ``"password":``)
+_QUOTES = "'\"`"
+
+
+def _code_pieces(text: str) -> list[tuple[int, int]]:
+    """The spans of ``text``, a program's source, that are redacted each alone: each private
+    key block, and elsewhere each line cut at a ``;`` outside a string and right after the
+    quote that closes a string (but a key's: ``"token": "x"`` is one piece)."""
+    pieces: list[tuple[int, int]] = []
+    at = 0
+    for key in _CODE_KEY_BLOCK.finditer(text):
+        pieces += _statements(text, at, key.start())
+        pieces.append(key.span())
+        at = key.end()
+    return pieces + _statements(text, at, len(text))
+
+
+def _statements(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """The pieces of ``text[start:end]`` (see ``_code_pieces``). Strings are read as most
+    languages write them (``'``, ``"`` or a backtick, a backslash escaping the next character,
+    none running past its line): a language that reads them otherwise gets pieces cut at other
+    quotes, never a value longer than a line."""
+    pieces: list[tuple[int, int]] = []
+    piece = i = start
+    quote = ""
+    while i < end:
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "\n" or (char == ";" and not quote):
+            pieces.append((piece, i))
+            piece, quote = i + 1, ""
+        elif quote and char == quote:
+            quote = ""
+            if not _GIVEN.match(text, i + 1, end):
+                pieces.append((piece, i + 1))
+                piece = i + 1
+        elif not quote and char in _QUOTES:
+            quote = char
+        i += 1
+    pieces.append((piece, end))
+    return [(a, b) for a, b in pieces if a < b]
+
+
 # name -> pattern, replaced by [REDACTED:name] (cards only when their digits pass Luhn's check)
 PERSONAL_DATA_PATTERNS: dict[str, str] = {
-    "email": r"\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b",
+    "email": r"(?<![A-Za-z0-9._%+\-])[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b",
     "iban": r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b",
     "card": r"\b\d(?:[ \-]?\d){12,18}\b",
     "ssn": r"\b\d{3}-\d{2}-\d{4}\b",
@@ -641,16 +708,41 @@ def _personal(name: str) -> Callable[[re.Match[str]], str]:
 
 
 _PERSONAL_REPLACERS = [(pattern, _personal(name)) for name, pattern in _PERSONAL]
-_TAILS = [pattern for _, pattern in _compile(TAIL_PATTERNS)]
-_PERSONAL_TAILS = [pattern for _, pattern in _compile(PERSONAL_TAIL_PATTERNS)]
+# name -> the characters a tail pattern's whole match is made of: it lies in the last run of
+# them, and is searched for there. From the text's start, each of its starts in an earlier run
+# (every ``sk-`` of ``sk-sk-…sk-!``) was a scan to that run's end: a time quadratic in the run.
+_WORD_CHARS = string.ascii_letters + string.digits + "_"
+_TAIL_RUNS = {
+    "api_key": _WORD_CHARS + "-",
+    "github_token": _WORD_CHARS,
+    "slack_token": _WORD_CHARS + "-",
+    "stripe_key": _WORD_CHARS,
+    "gitlab_token": _WORD_CHARS + "-",
+    "huggingface_token": _WORD_CHARS,
+    "npm_token": _WORD_CHARS,
+    "jwt": _WORD_CHARS + "-.",
+    "email": _WORD_CHARS + ".%+-@",
+    "number": string.digits + " .-()+",
+    "iban": string.ascii_uppercase + string.digits + " ",
+    "ipv6": string.hexdigits + ":",
+}
+# Other tail patterns are searched for in the text's last characters: one starting before them
+# holds a value longer than a complete match needs, which the whole-text patterns replace.
+_TAIL_WINDOW = 2 * _LONGEST
+_Tail = tuple[re.Pattern[str], str | None]
+_TAILS: list[_Tail] = [(pattern, _TAIL_RUNS.get(name)) for name, pattern in _compile(TAIL_PATTERNS)]
+_PERSONAL_TAILS: list[_Tail] = [
+    (pattern, _TAIL_RUNS.get(name)) for name, pattern in _compile(PERSONAL_TAIL_PATTERNS)
+]
 
 
-def _tail_start(text: str, patterns: Sequence[re.Pattern[str]]) -> int:
+def _tail_start(text: str, patterns: Sequence[_Tail]) -> int:
     """Where the earliest of ``patterns`` begins a match that runs to the end of ``text`` (its
     ``keep`` group stays); ``len(text)`` when none does."""
     start = len(text)
-    for pattern in patterns:
-        match = pattern.search(text)
+    for pattern, run in patterns:
+        at = len(text.rstrip(run)) if run is not None else len(text) - _TAIL_WINDOW
+        match = pattern.search(text, max(at, 0))
         if match is not None:
             start = min(start, match.end("keep") if "keep" in pattern.groupindex else match.start())
     return start
@@ -775,25 +867,37 @@ class Redactor:
     def text(self, text: str) -> str:
         if isinstance(text, ShellText):
             return self.shell(text)
+        if isinstance(text, CodeText):
+            return self.code(text)
         if "characters cut" in text and CUT_MARK.search(text):
             return self._across_cuts(text)
         return self._text(text)
 
     def shell(self, text: str, *, was_cut: bool = False) -> ShellText:
         """``text``, a shell's script, redacted word by word (``_shell_pieces``): a value ends
-        where the shell ends its word, whatever quote a regex would have read it to. A
-        registered secret is replaced wherever it is first: it is the caller's own value, and
-        hides nothing but itself. ``was_cut``: ``text`` ends where someone cut it (``head``)."""
+        where the shell ends its word, whatever quote a regex would have read it to.
+        ``was_cut``: ``text`` ends where someone cut it (``head``)."""
+        return ShellText(self._by_pieces(text, _shell_pieces, was_cut=was_cut))
+
+    def code(self, text: str, *, was_cut: bool = False) -> CodeText:
+        """``text``, a program's source (``CodeText``), redacted statement by statement
+        (``_code_pieces``): a value ends at the end of its line, at a ``;`` and at the quote
+        that closes its string, whatever quote a regex would have read it to."""
+        return CodeText(self._by_pieces(text, _code_pieces, was_cut=was_cut))
+
+    def _by_pieces(self, text: str, pieces: Callable[[str], list[tuple[int, int]]], *, was_cut: bool) -> str:
+        """``text`` with each of its ``pieces`` redacted alone; a registered secret is replaced
+        wherever it is first: it is the caller's own value, and hides nothing but itself."""
         if self.secrets in self.processors:
             text = self.secrets(text)
         out: list[str] = []
         done = 0
-        for start, end in _shell_pieces(text):
+        for start, end in pieces(text):
             piece = text[start:end]
             out += [text[done:start], self.head(piece) if was_cut and end == len(text) else self._text(piece)]
             done = end
         out.append(text[done:])
-        return ShellText("".join(out))
+        return "".join(out)
 
     def _across_cuts(self, text: str) -> str:
         """``text`` whose middle was cut (``cut_marker``), redacted piece by piece: what ends at
@@ -858,12 +962,14 @@ class Redactor:
         ``was_cut``: someone already cut ``text`` at its end before it came here (``head``)."""
         if isinstance(text, ShellText):
             out: str = self.shell(text, was_cut=was_cut)
+        elif isinstance(text, CodeText):
+            out = self.code(text, was_cut=was_cut)
         else:
             out = self.head(text) if was_cut else self.text(text)
         if len(out) <= cap:
             return out
         kept = out[:cap] + f"…[{len(out) - cap} more chars]"
-        return ShellText(kept) if isinstance(text, ShellText) else kept
+        return type(text)(kept) if isinstance(text, ShellText | CodeText) else kept
 
     def head(self, text: str) -> str:
         """``text`` redacted, where ``text`` is the head of a longer one that was cut before

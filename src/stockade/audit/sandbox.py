@@ -34,7 +34,7 @@ from stockade import exceptions as exc
 from stockade._cuts import plain
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
-from stockade.audit.redact import Redactor, ShellText, flag_value
+from stockade.audit.redact import CodeText, Redactor, ShellText, flag_value
 from stockade.sandbox.base import (
     Backend,
     Instance,
@@ -68,6 +68,7 @@ __all__ = [
     "current_actor",
     "current_call",
     "exec_word",
+    "program_text",
     "script_at",
 ]
 
@@ -131,7 +132,15 @@ def _text(name: str, text: str, redactor: Redactor) -> dict[str, object]:
 
 def _cut(redactor: Redactor) -> Callable[[str], str]:
     """Redact, then cut: a cut first can keep a credential's prefix that no pattern knows."""
-    return lambda text: redactor.cut(plain(text), TEXT_CAP)
+    return lambda text: redactor.cut(type(text)(plain(text)), TEXT_CAP)
+
+
+def program_text(runner: str, program: str) -> str:
+    """A program ``runner`` runs (``bash``, ``python3``, a language of ``run_code``), as the
+    redactor reads it: a shell's script word by word (``ShellText``), other code statement by
+    statement (``CodeText``); as plain text, a value ran across quotes and ``;`` and hid the
+    commands after it."""
+    return ShellText(program) if runner.rsplit("/", 1)[-1] in _SHELLS else CodeText(program)
 
 
 # How the sandbox ends a word of an exec it cut (``supervisor.rules.kept_argv``): its head, then this.
@@ -255,13 +264,15 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
             inline = as_inline(op)
             if op.stdin is not None and inline != tuple(op.argv):  # run_code's program, on stdin
                 attributes.update(
-                    program=_cap(inline[-1]), program_digest=_digest(op.stdin), language=inline[0]
+                    program=_cap(program_text(inline[0], inline[-1])),
+                    program_digest=_digest(op.stdin),
+                    language=inline[0],
                 )
             return EventKind.COMMAND, attributes
         case RunCode():
             code = op.code.encode()
             return EventKind.RUN_CODE, {
-                "code": _cap(op.code),
+                "code": _cap(CodeText(op.code)),
                 "code_bytes": len(code),
                 "code_digest": _digest(code),
                 "timeout_s": op.timeout_s,

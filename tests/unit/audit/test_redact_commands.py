@@ -30,7 +30,7 @@ from stockade._cuts import cut_marker, plain
 from stockade.agent import Agent
 from stockade.audit import AuditedBackend, EventKind
 from stockade.audit.agent import AuditObserver
-from stockade.audit.redact import CUT_REDACTED, Redactor, ShellText, redact_tokens
+from stockade.audit.redact import CUT_REDACTED, CodeText, Redactor, ShellText, redact_tokens
 from stockade.models.scripted import ScriptedModel
 from stockade.sandbox import Sandbox
 from stockade.sandbox.ops import RunCommand
@@ -357,3 +357,75 @@ def test_a_command_after_a_quote_that_closes_a_string_is_always_recorded(
     (before, end_), (open_, end) = opener, separator
     command = f"{before}{value}{open_}echo MARKER > f{end}{end_}"
     assert "echo MARKER > f" in Redactor().text(ShellText(command)), command
+
+
+# A program run_code runs: a shell's (its commands hidden behind a value the whole-text pass
+# ran across quotes and ``;``), and other code (a value now ends at its line, at a ``;`` and at
+# the quote that closes its string).
+PROGRAMS = [
+    ("bash", 'mkdir -p src\nV="--password "; rm -rf /workspace/src; echo "done"\n', "rm -rf /workspace/src"),
+    ("bash", 'X="PASSWORD="ab rm -rf src""\n', "rm -rf src"),
+    ("bash", "# -----BEGIN RSA PRIVATE KEY-----\nwhoami\nreboot\n", "whoami\nreboot"),
+    ("python", 'P = "--password "; os.rmdir(chr(47)+"workspace"); Q = "x"', 'os.rmdir(chr(47)+"workspace")'),
+    ("python", 'P = "--password " + os.system("rm -rf src")', 'os.system("rm -rf src")'),
+    ("node", "const t = 'token: '; require('fs').rmSync('src')", "require('fs').rmSync('src')"),
+]
+
+
+@pytest.mark.parametrize(("language", "program", "kept"), PROGRAMS)
+def test_a_program_run_code_runs_hides_no_command(language: str, program: str, kept: str) -> None:
+    with (
+        capture_audit() as audit,
+        Sandbox.create(backend=AuditedBackend(FakeBackend(), audit, run_id="r")) as sbx,
+    ):
+        sbx.run_code(program, language)
+    recorded = [str(e.attributes.get("program") or e.attributes.get("code")) for e in audit.events]
+    assert any(kept in text for text in recorded), recorded
+    assert all("[REDACTED" not in text for text in recorded if program[:8] in text), recorded
+
+
+@pytest.mark.parametrize(("language", "program", "kept"), PROGRAMS)
+def test_the_agent_s_run_code_call_hides_no_command(language: str, program: str, kept: str) -> None:
+    with capture_audit() as audit, Sandbox.create(backend=FakeBackend()) as sbx:
+        Agent(
+            ScriptedModel([tool_call("run_code", {"language": language, "code": program}), "done"]),
+            observers=[AuditObserver(audit)],
+        ).run_sync("run it", sandbox=sbx, run_id="r")
+    (event,) = audit.of(EventKind.TOOL_CALL)
+    args = event.attributes["args"]
+    assert isinstance(args, dict) and kept in str(args["code"]), args
+
+
+@pytest.mark.parametrize(
+    ("code", "secret"),
+    [
+        ('password = "hunter2 xyz"; x = 1', "hunter2 xyz"),
+        ('conn(password="Zq9hunter2x")', "Zq9hunter2x"),
+        ('d = {"api_key": "abcd efgh"}', "abcd efgh"),
+        ("s = '--token Zq9hunter2x'", "Zq9hunter2x"),
+        (
+            'KEY = """-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n'
+            '-----END PRIVATE KEY-----"""',
+            "MIIEvQ",
+        ),
+        ('h = {"Authorization": "Bearer Zq8Wm3Xk7Vn2abcd"}', "Zq8Wm3Xk7Vn2abcd"),
+    ],
+)
+def test_a_secret_in_code_is_still_redacted(code: str, secret: str) -> None:
+    out = Redactor().text(CodeText(code))
+    assert secret not in out and "[REDACTED:" in out and isinstance(out, CodeText)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    opener=st.sampled_from(OPENERS + CLOSING),
+    value=st.lists(PIECES, max_size=4).map("".join),
+    separator=st.sampled_from([";", "; ", "\n", ";\n"]),
+)
+def test_a_statement_after_a_secret_s_shape_in_code_is_always_recorded(
+    opener: tuple[str, str], value: str, separator: str
+) -> None:
+    """Whatever the value, the statement after the separator stays: ``os.remove('f')``."""
+    before, close = opener
+    code = f"{before}{value}{close}{separator}os.remove('f')"
+    assert "os.remove('f')" in Redactor().text(CodeText(plain(code))), code
