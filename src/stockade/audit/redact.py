@@ -6,17 +6,20 @@ dict; add your own to the pipeline. Two more rules need no pipeline entry:
 
 - values whose *key* names a credential (``password``, ``api_key``, ``accessToken``,
   ``PGPASSWORD``, ``X-Api-Key``, ``api_key_list``, ...) are replaced whole, whatever they are
-  (a string, a number, a list, an object);
+  (a string, a number, a list, an object); not the paths of a map keyed by paths (``files``:
+  path -> content), whose contents are redacted as text;
 - ``SecretValues``: the caller registers the exact values it hands to sandboxes (environment
   variables, tokens) with ``redactor.add_secret(value)``; they are replaced wherever they
   appear, even inside longer text.
 
 ``redact_tokens`` catches what looks like a credential even when nobody registered it:
 ``sk-...`` API keys, GitHub, Stripe, GitLab, Hugging Face and npm tokens, AWS access key ids,
-``Bearer ...`` (``token ...``), JWTs, private key blocks (OpenPGP's too), a ``Cookie:`` header's
-value, values assigned to a credential's name (``PGPASSWORD=x``, ``SECRET_KEY=x``, ``"password":
-"x"``, ``secret='a b'``, ``password => x``), given to a
-credential's flag (``--password x``, ``--api-key x``, ``curl -u user:x``), and the password of
+``Bearer ...`` (``token ...``), JWTs, private key blocks (OpenPGP's too), the cookies of a
+``Cookie:`` header and of curl's ``-b``, a Digest's ``response``, a signed URL's signature,
+openssl's ``-passin pass:x``, ``aws configure set``'s secrets, XML's ``<password>x</password>``, a
+YAML value on the next line, values assigned to a credential's name (``PGPASSWORD=x``,
+``SECRET_KEY=x``, ``OPENAI_KEY=x``, ``"password": "x"``, ``secret='a b'``, ``password => x``),
+given to a credential's flag (``--password x``, ``--api-key x``, ``curl -u user:x``), and the password of
 a URL (``https://user:x@host``). A value ends where a shell would end it (``;``, ``|``, ``$(``
 ..., a quote or a newline; a character a backslash escapes does not end it): what follows is
 what a command did, never hidden. A private key block ends at its END line, or at the first
@@ -26,7 +29,8 @@ its own (``["--password", "x"]``).
 A command's text (``ShellText``: ``sh -c``'s script, a command tool's ``command``) is read as
 the shell reads it, from its start through its quotes (``Redactor.shell``): the patterns are
 applied to each of its words alone, since a regex cannot tell a quote that opens a value from
-one that closes an earlier string (``X="PASSWORD="ab rm -rf src""`` runs ``rm``). A
+one that closes an earlier string (``X="PASSWORD="ab rm -rf src""`` runs ``rm``); and to each
+as the shell joins its quoted parts (``PASSWORD=""x``, ``PASSWORD="a"'b'``). A
 here-document's text is read so too, from the line after its ``<<`` to its word: its words, a
 name with ``=`` and its value (``PASSWORD = "x"``), and each private key in it whole.
 A program's source in another language (``CodeText``: run_code's Python, node, ...) is
@@ -90,11 +94,16 @@ CACHE_SIZE = 4096
 
 # What a name that holds a credential ends with, in text (``PGPASSWORD=``, ``"accessToken":``,
 # ``db_pass=``; a bare ``pass`` is a word too often: ``bypass``, ``compass``).
-# ``SECRET_KEY=``, ``PRIVATE_KEY=``: a key of a kind that is secret; not a bare ``key``
-# (``sort_key``, ``cache_key``).
+# ``SECRET_KEY=``, ``PRIVATE_KEY=``, ``OPENAI_KEY=``: a key of a kind that is secret, or of a
+# service whose keys are (``_SECRET_KEYS``); not a bare ``key`` (``sort_key``, ``cache_key``,
+# ``primary_key``, ``public_key``).
+_SECRET_KEYS = (
+    "secret|private|signing|encryption|master|account|app|auth|subscription"
+    "|openai|anthropic|azure|stripe|sendgrid|mailgun|twilio"
+)
 _NAMES = (
-    r"password|passwd|passphrase|secret|token|api[_\-]?key|access[_\-]?key|[_.\-]pass"
-    r"|(?:secret|private|signing|encryption|master)[_\-]?key"
+    r"passwords?|passwd|passphrase|secret|token|api[_\-]?key|access[_\-]?key|[_.\-]pass"
+    rf"|(?:{_SECRET_KEYS})[_\-]?key"
 )
 # The name before a value, from the start of its run of name characters (``db.password``,
 # ``x-api-key``): written ``\b[\w.\-]*``, a match was tried from every word boundary of a run, each
@@ -140,6 +149,18 @@ _ASSIGNED = rf"(?(opened)(?:[^\s\"',\\{_SHELL}]|\\(?![\"']))|(?!,){_BARE})"
 # A JSON string's character: no quote, newline or backslash, but one of JSON's escapes.
 _JSON = rf"(?:{_QUOTED}|\\(?:[\"\\/bfnrt]|u[0-9A-Fa-f]{{4}}))"
 
+# A cookie's name and value, and what gives them: an HTTP header, curl's flag.
+_COOKIE_NAME = rf"[^\s=;'\"\\{_SHELL}]{{1,256}}"
+_COOKIE_VALUE = rf"(?:(?!,){_BARE})"
+_COOKIE_OPENS = r"(?:\b(?i:cookie)[ \t]*:[ \t]*|(?<![\w\-])(?:-b|--cookie)(?:[ \t]+|=)['\"]?)"
+# A signed URL's signature parameter (Azure's SAS, AWS's and Google's presigned URLs).
+_SIGNATURE_PARAM = r"[?&;](?:sig|[Ss]ignature|(?i:x-(?:amz|goog)-signature))="
+# A character of an XML element's text that may be a credential's: none that ends a shell's
+# word, but the escapes XML writes them as.
+_XML_VALUE = rf"(?:[^\s<>'\"\\{_SHELL}]|&(?:amp|lt|gt|quot|apos|#x?[0-9A-Fa-f]{{1,6}});)"
+# curl's user flag: ``-u x``, ``-ux`` (a user that begins with a letter), ``--user x``, ``--user=x``.
+_USER_OPENS = r"(?<![\w\-])(?:-u(?:[ \t]+|(?=[A-Za-z]))|--user(?:[ \t]+|=))"
+
 # name -> pattern; the whole match is replaced by [REDACTED:name], except the named group
 # ``keep`` (the scheme word of ``Bearer x``, the name in ``password=x``), which stays.
 # (A prefix is written before its ``\b``, as a look behind: a pattern that begins with a literal
@@ -166,9 +187,37 @@ TOKEN_PATTERNS: dict[str, str] = {
     "jwt": r"eyJ(?<!\weyJ)[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}",
     # an HTTP credential: the token must contain a digit, so that "Token ordinaryword" stays
     "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|[Tt]oken)\s+)(?=[A-Za-z\-._~+/]*\d)[A-Za-z0-9\-._~+/]{12,}=*",
-    # Cookie: session=x (an HTTP header; its first cookie's value)
+    # Cookie: a=1; session=x (an HTTP header), curl -b 'session=x' (--cookie): every cookie's
+    # value, from the first one's (which may be short: the values together hold 4 characters)
     "cookie": (
-        rf"(?P<keep>\b(?i:cookie)[ \t]*:[ \t]*[^\s=;'\"\\{_SHELL}]+=)(?!\[REDACTED)(?:(?!,){_BARE}){{4,}}"
+        rf"(?P<keep>{_COOKIE_OPENS}{_COOKIE_NAME}=)(?!\[REDACTED)(?=(?:{_COOKIE_VALUE}|;[ \t]?){{4}})"
+        rf"{_COOKIE_VALUE}{{0,{_LONGEST}}}(?:;[ \t]?{_COOKIE_NAME}={_COOKIE_VALUE}{{0,{_LONGEST}}}){{0,64}}"
+    ),
+    # Authorization: Digest ..., response="6629fae4..." (what a password and a nonce hash to)
+    "digest_response": r"(?P<keep>response=(?<!\wresponse=)\"?)[0-9a-fA-F]{32,128}(?![0-9A-Za-z])",
+    # ?sv=...&sig=x (Azure SAS), X-Amz-Signature=x, X-Goog-Signature=x: a signed URL's signature
+    "url_signature": rf"(?P<keep>{_SIGNATURE_PARAM})(?!\[REDACTED)[^\s#'\"\\{_SHELL}]{{4,}}",
+    # <password>x</password>, <SecretAccessKey>x</SecretAccessKey> (XML: AWS STS answers so);
+    # what XML escapes (``&amp;``) the value holds as it
+    "xml_element": (
+        rf"(?P<keep><(?P<tag>[\w.:\-]{{0,128}}(?i:{_NAMES}))>)(?!\[REDACTED)"
+        rf"{_XML_VALUE}{{1,{_LONGEST}}}(?=</(?P=tag)>)"
+    ),
+    # openssl ... -passin pass:x (-passout, -pass); its env:NAME, file:path are no secrets
+    "openssl_pass": (
+        rf"(?P<keep>(?<![\w\-])-pass(?:in|out)?[ \t]+(?P<q>['\"])?pass:)(?!\[REDACTED)"
+        rf"(?(q){_QUOTED}|{_BARE}){{1,{_LONGEST}}}"
+    ),
+    # aws configure set aws_secret_access_key x (a value after a space)
+    "aws_configure": (
+        rf"(?P<keep>\b(?i:aws_(?:secret_access_key|session_token))[ \t]+['\"]?)(?![\-\[=])"
+        rf"(?:(?<='){_SQ}{{4,{_LONGEST}}}(?=')|(?<=\"){_DQ}{{4,{_LONGEST}}}(?=\")|(?<!['\"]){_BARE}{{4,}})"
+    ),
+    # password:\n  x, token: |\n  x (YAML: the value on the next line, indented; a mapping's key
+    # there, ``user: x``, a list's ``- x`` or a comment is none)
+    "yaml_next_line": (
+        rf"(?P<keep>(?i:{_NAMES})[ \t]*:[ \t]*(?:[|>][+\-]?[1-9]?[ \t]*)?\r?\n[ \t]+['\"]?)"
+        rf"(?![\-\[#{{]|[^\s:'\"]{{0,256}}:(?:\s|\Z))(?!\[REDACTED)(?:(?!,){_BARE}){{4,}}"
     ),
     # "password": "x y" (JSON, its value up to the closing quote, spaces and escapes included)
     "json_assignment": (
@@ -190,9 +239,10 @@ TOKEN_PATTERNS: dict[str, str] = {
         rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])"
         rf"(?:(?<='){_SQ}{{4,{_LONGEST}}}(?=')|(?<=\"){_DQ}{{4,{_LONGEST}}}(?=\")|(?<!['\"]){_BARE}{{4,}})"
     ),
-    # curl -u user:password (a user that is a number, docker's -u 1000:1000, is a uid and gid)
+    # curl -u user:password, --user=user:password, -uuser:password (a user that is a number,
+    # docker's -u 1000:1000, is a uid and gid)
     "user_password": (
-        rf"(?P<keep>(?<![\w\-])(?:-u|--user)[ \t]+['\"]?[^\s:'\"{_SHELL}]+:)"
+        rf"(?P<keep>{_USER_OPENS}['\"]?[^\s:'\"{_SHELL}]+:)"
         rf"(?!\[REDACTED|\d+(?![^\s\"'{_SHELL}])){_BARE}+"
     ),
     # password=x, PGPASSWORD=x, accessToken: x, 'secret': 'x', \"token\": \"x\" (JSON in a string)
@@ -224,8 +274,23 @@ TAIL_PATTERNS: dict[str, str] = {
     "npm_token": r"\bnpm_[A-Za-z0-9]*\Z",
     "jwt": r"\beyJ[A-Za-z0-9_\-.]*\Z",
     "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|[Tt]oken)\s+)[A-Za-z0-9\-._~+/]+=*\Z",
-    "cookie": (
-        rf"(?P<keep>\b(?i:cookie)[ \t]*:[ \t]*[^\s=;'\"\\{_SHELL}]+=)(?!\[REDACTED)(?:(?!,){_BARE})*\\?\Z"
+    "cookie": (rf"(?P<keep>{_COOKIE_OPENS}{_COOKIE_NAME}=)(?!\[REDACTED)(?:{_COOKIE_VALUE}|;[ \t]?|=)*\\?\Z"),
+    "digest_response": r"(?P<keep>response=(?<!\wresponse=)\"?)[0-9a-fA-F]{0,128}\Z",
+    "url_signature": rf"(?P<keep>{_SIGNATURE_PARAM})(?!\[REDACTED)[^\s#'\"\\{_SHELL}]*\Z",
+    "xml_element": (
+        rf"(?P<keep><[\w.:\-]{{0,128}}(?i:{_NAMES})>)(?!\[REDACTED)(?:{_XML_VALUE}|&[#\w]{{0,8}}\Z)*\Z"
+    ),
+    "openssl_pass": (
+        rf"(?P<keep>(?<![\w\-])-pass(?:in|out)?[ \t]+(?P<q>['\"])?pass:)(?!\[REDACTED)"
+        rf"(?(q){_QUOTED}|{_BARE})*\\?\Z"
+    ),
+    "aws_configure": (
+        rf"(?P<keep>\b(?i:aws_(?:secret_access_key|session_token))[ \t]+['\"]?)(?![\-\[=])"
+        rf"(?:(?<='){_SQ}{{0,{_LONGEST}}}|(?<=\"){_DQ}{{0,{_LONGEST}}}\\?|(?<!['\"]){_BARE}*\\?)\Z"
+    ),
+    "yaml_next_line": (
+        rf"(?P<keep>(?i:{_NAMES})[ \t]*:[ \t]*(?:[|>][+\-]?[1-9]?[ \t]*)?\r?\n[ \t]+['\"]?)"
+        rf"(?![\-\[#{{]|[^\s:'\"]{{0,256}}:(?:\s|\Z))(?!\[REDACTED){_BARE}*\\?\Z"
     ),
     "json_assignment": (
         rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"[ \t]*:[ \t]*\")(?!\[REDACTED)"
@@ -244,7 +309,7 @@ TAIL_PATTERNS: dict[str, str] = {
         rf"(?:(?<='){_SQ}{{0,{_LONGEST}}}|(?<=\"){_DQ}{{0,{_LONGEST}}}\\?|(?<!['\"]){_BARE}*\\?)\Z"
     ),
     "user_password": (
-        rf"(?P<keep>(?<![\w\-])(?:-u|--user)[ \t]+['\"]?[^\s:'\"{_SHELL}]+:)(?!\[REDACTED)"
+        rf"(?P<keep>{_USER_OPENS}['\"]?[^\s:'\"{_SHELL}]+:)(?!\[REDACTED)"
         rf"{_BARE}*\\?\Z"
     ),
     "assignment": (
@@ -276,9 +341,14 @@ _HEAD_ROUNDS = 8  # a tail held back, then the tail of what is left, ...: past t
 # names a list of them. Not ``tokens`` (``max_tokens`` is a count), nor a bare ``key``.
 _SENSITIVE_KEY = re.compile(
     r"(?:password|passwd|passphrase|secret|token|api_?key|authorization|credential|cookie"
-    r"|(?:^|_)(?:access|secret|private|signing)_?key)(?:_list)?$"
+    rf"|(?:^|_)(?:access|{_SECRET_KEYS})_?key)(?:_list)?$"
     r"|(?:password|passwd|passphrase|secret|api_?key|credential|cookie)s(?:_list)?$"
 )
+
+# A key whose map is keyed by paths (``run_code``'s ``files``: path -> content): its keys name
+# files, not credentials; a file's content is redacted as any text (``x_token``'s content was
+# replaced whole, and the script it held was recorded nowhere).
+_PATH_MAPS = frozenset({"files"})
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -304,6 +374,7 @@ _ANY = re.compile("|".join(f"(?:{p.replace('?P<keep>', '')})" for p in TOKEN_PAT
 _WORDS = re.compile(
     rf"(?i:{_NAMES})|sk-|gh[pousr]_|github_pat_|AKIA|ASIA|xox[abposr]-|AIza|[rs]k_(?:live|test)_|glpat-"
     r"|hf_|npm_|eyJ|[Bb]earer|Basic|[Tt]oken|(?i:cookie)|://|-----BEGIN|(?<![\w\-])-(?:u|-user)[ \t]"
+    rf"|{_USER_OPENS}|(?<![\w\-])-b[ \t]|response=|{_SIGNATURE_PARAM}|-pass|(?i:aws_)"
 )
 
 
@@ -332,18 +403,47 @@ def redact_tokens(text: str) -> str:
 _FLAG_WORD = re.compile(rf"--?[\w\-]*(?i:{_NAMES})")
 _USER_FLAGS = frozenset({"-u", "--user"})
 _USER_WORD = re.compile(r"([^:]+:)(?!\d+\Z)(.+)", re.DOTALL)  # user:password, not uid:gid
+_COOKIE_FLAGS = frozenset({"-b", "--cookie"})
+_COOKIE_WORD = re.compile(r"([^=;\s]+=)(.+)", re.DOTALL)  # name=value, not a cookie file
+_OPENSSL_PASS = frozenset({"-pass", "-passin", "-passout"})
+_AWS_NAME = re.compile(r"(?i:aws_(?:secret_access_key|session_token))")
+# curl and its kin: the programs whose ``-u`` is a user and password and ``-b`` cookies
+# (``python3 -u`` is unbuffered, ``sort -u`` unique, ``cp -b`` a backup).
+_HTTP_CLIENTS = frozenset({"curl", "curlie", "wget", "http", "https", "xh", "xhs"})
+# What runs the program its next word names (``sudo curl``), and an assignment before it.
+_WRAPPERS = frozenset({"sudo", "env", "command", "exec", "nohup", "time", "builtin", "xargs"})
+_ASSIGNS = re.compile(r"[A-Za-z_]\w*=")
 
 
-def flag_value(before: str, word: str) -> str | None:
-    """What replaces ``word``, a word of an argv that follows ``before``, when it is the value
-    of a credential's flag given as a word of its own (``["--password", "x"]``, ``["-u",
-    "user:x"]``): each word redacted alone shows none of them. ``None``: it is not one."""
+def command_program(words: Iterable[str]) -> str:
+    """The name of the program a command's words run (``/usr/bin/curl`` is ``curl``): its first
+    word that is no assignment, option nor wrapper (``FOO=1 sudo -E curl`` runs ``curl``)."""
+    for word in words:
+        if not _before_program(word):
+            return word.rsplit("/", 1)[-1]
+    return ""
+
+
+def _before_program(word: str) -> bool:
+    return _ASSIGNS.match(word) is not None or word.startswith("-") or word in _WRAPPERS
+
+
+def flag_value(words: Sequence[str], at: int) -> str | None:
+    """What replaces ``words[at]``, a word of an argv, when it is the value of a credential's
+    flag given as a word of its own (``["--password", "x"]``, curl's ``["-u", "user:x"]``,
+    openssl's ``["-passin", "pass:x"]``): each word redacted alone shows none of them.
+    ``None``: it is not one."""
+    before, word = (words[at - 1] if at else ""), words[at]
     if not word or word.startswith(("-", "[REDACTED")):
         return None
-    if _FLAG_WORD.fullmatch(before):
+    if _FLAG_WORD.fullmatch(before) or _AWS_NAME.fullmatch(before):
         return "[REDACTED:flag]"
-    user = _USER_WORD.fullmatch(word) if before in _USER_FLAGS else None
-    return None if user is None else user.group(1) + "[REDACTED:user_password]"
+    if before in _OPENSSL_PASS and word.startswith("pass:"):
+        return "pass:[REDACTED:openssl_pass]"
+    http = before in _USER_FLAGS | _COOKIE_FLAGS and command_program(words[:at]) in _HTTP_CLIENTS
+    found = (_USER_WORD if before in _USER_FLAGS else _COOKIE_WORD).fullmatch(word) if http else None
+    kind = "user_password" if before in _USER_FLAGS else "cookie"
+    return None if found is None else f"{found.group(1)}[REDACTED:{kind}]"
 
 
 class ShellText(str):
@@ -364,16 +464,23 @@ _ENDS = frozenset(" \t\n;&|<>()")  # what ends a word that is not quoted: a blan
 # backtick, and a backslash takes the next character but a newline (what it escapes, or
 # inside quotes what is quoted too). Every such run lies inside one word the shell reads.
 _RUN = re.compile(r"(?:[^\s;&|<>()`\\]|\\[^\n])+")
-# A word whose value is the next word: a credential's flag, curl's user, an HTTP scheme, the
-# word password, a name given with ``:`` or ``=>`` (never ``NAME= x``: the shell runs ``x``).
+# A word whose value is the next word: a credential's flag, openssl's ``-passin``, an HTTP
+# scheme, the word password, a name given with ``:`` or ``=>`` (never ``NAME= x``: the shell
+# runs ``x``), ``aws configure set``'s secret names; and curl's user and cookies, only in a
+# command of curl and its kin (``_HTTP_CLIENTS``).
 _VALUE_NEXT = re.compile(
-    rf"--?[\w\-]*(?i:{_NAMES})|-u|--user|[Bb]earer|Basic|[Tt]oken|(?i:password|passwd|passphrase)"
-    rf"|\S*(?i:{_NAMES})\\?[\"']?(?:=>|:)|(?i:cookie):"
+    rf"--?[\w\-]*(?i:{_NAMES})|-pass(?:in|out)?|[Bb]earer|Basic|[Tt]oken|(?i:password|passwd|passphrase)"
+    rf"|\S*(?i:{_NAMES})\\?[\"']?(?:=>|:)|(?i:cookie):|{_AWS_NAME.pattern}"
 )
+_HTTP_VALUE_NEXT = _USER_FLAGS | _COOKIE_FLAGS
+# What parts a command from the one before it (``;``, ``&&``, ``|``, a newline, ``$(``, ...).
+_COMMAND_ENDS = frozenset(";&|()\n`")
 # In a here-document's text (a config file, a script for another language) a name is given its
 # value with blanks around too (``PASSWORD = "x"``): a word naming a credential, and ``=``.
 _NAME_WORD = re.compile(rf"\S*(?i:{_NAMES})\\?[\"']?")
 _GIVES_WORD = frozenset({"=", ":", "=>"})
+# And a YAML name's value on the next line, indented (``password:\n  x``, ``token: |\n  x``).
+_YAML_GAP = re.compile(r"[ \t]*(?:[|>][+\-]?[1-9]?[ \t]*)?\r?\n[ \t]+")
 # A private key in a here-document's text, from its BEGIN line to its END line: a piece of its
 # own, since its lines are no shell words. Its lines: base64, or a header of words.
 _KEY_BLOCK = re.compile(
@@ -383,6 +490,58 @@ _KEY_BLOCK = re.compile(
     re.MULTILINE,
 )
 _DEEPEST = 3  # here-documents in here-documents: past this, the text is read as runs
+
+
+_QUOTING = re.compile(r"['\"\\]")
+_MARK = re.compile(r"\[REDACTED[^\]]*\]")
+
+
+# Where a character of a word read as the shell reads it comes from: its span in the word (with
+# the backslash that escapes it), and the span of the quotes around it (its own span when none).
+_Source = tuple[int, int, tuple[int, int]]
+
+
+def _unquoted(word: str) -> tuple[str, list[_Source]]:
+    """``word`` as the shell reads it, its quotes gone and what they escape kept (``"a"'b'`` is
+    ``ab``, bash's ``$'x'`` is ``x``, an unclosed quote runs to the end); and where each of its
+    characters comes from."""
+    chars: list[str] = []
+    sources: list[_Source] = []
+    quote, opened, inside, i = "", 0, 0, 0
+    while i < len(word):
+        char, escaped = word[i], word[i + 1 : i + 2]
+        size = (
+            2 if char == "\\" and escaped and (quote != "'" and (quote != '"' or escaped in '$`"\\\n')) else 1
+        )
+        if not quote and word.startswith(("$'", '$"'), i):
+            quote, opened, inside, i = word[i : i + 2].replace('$"', '"'), i, len(chars), i + 2
+        elif size == 1 and ((not quote and char in "'\"") or (quote and quote[-1] == char)):
+            if quote:  # closed: its characters lie inside it
+                sources[inside:] = [(a, b, (opened, i + 1)) for a, b, _ in sources[inside:]]
+            quote, opened, inside, i = ("" if quote else char), i, len(chars), i + 1
+        else:
+            chars.append(word[i + size - 1])
+            sources.append((i, i + size, (opened, len(word)) if quote else (i, i + size)))
+            i += size
+    return "".join(chars), sources
+
+
+def _changed(text: str, redacted: str) -> tuple[int, int]:
+    """How many characters at the start and at the end of ``text`` its redaction kept: what
+    lies between was replaced (never half a mark: a value may end as a mark does)."""
+    start = 0
+    most = min(len(text), len(redacted))
+    while start < most and text[start] == redacted[start]:
+        start += 1
+    end = 0
+    while end < most - start and text[-1 - end] == redacted[-1 - end]:
+        end += 1
+    for mark in _MARK.finditer(redacted):
+        if mark.start() < start < mark.end():
+            start = mark.start()
+        if mark.start() < len(redacted) - end < mark.end():
+            end = len(redacted) - mark.end()
+    return start, end
 
 
 class _Unread(Exception):
@@ -412,10 +571,11 @@ def _paired(text: str, segments: list[tuple[int, int, bool]], *, data: bool) -> 
     """``segments`` as pieces, a word whose value is the next word (``_VALUE_NEXT``; in a
     here-document's text, a name and ``=``) joined with it when only blanks part them."""
     pieces: list[tuple[int, int]] = []
+    programs = _programs(text, segments)
     at = 0
     while at < len(segments):
         start, end, whole = segments[at]
-        last = _value_end(text, segments, at, data=data) if whole else None
+        last = _value_end(text, segments, at, data=data, program=programs[at]) if whole else None
         if last is None:
             pieces.append((start, end))
             at += 1
@@ -425,7 +585,22 @@ def _paired(text: str, segments: list[tuple[int, int, bool]], *, data: bool) -> 
     return pieces
 
 
-def _value_end(text: str, segments: list[tuple[int, int, bool]], at: int, *, data: bool) -> int | None:
+def _programs(text: str, segments: list[tuple[int, int, bool]]) -> list[str]:
+    """For each segment, the program its command runs (``command_program``)."""
+    programs: list[str] = []
+    program = ""
+    for at, (start, end, _) in enumerate(segments):
+        if not at or any(char in _COMMAND_ENDS for char in text[segments[at - 1][1] : start]):
+            program = ""
+        if not program:
+            program = command_program((text[start:end],))
+        programs.append(program)
+    return programs
+
+
+def _value_end(
+    text: str, segments: list[tuple[int, int, bool]], at: int, *, data: bool, program: str
+) -> int | None:
     """The index of the value's segment when the one at ``at`` is given the value after it."""
     start, end = segments[at][:2]
     value = at + 1
@@ -433,12 +608,16 @@ def _value_end(text: str, segments: list[tuple[int, int, bool]], at: int, *, dat
         gives = segments[value]
         if gives[2] and text[gives[0] : gives[1]] in _GIVES_WORD and _blank(text, end, gives[0]):
             value, end = value + 1, gives[1]
-    if value == at + 1 and not _VALUE_NEXT.fullmatch(text, start, end):
+    http = program in _HTTP_CLIENTS and text[start:end] in _HTTP_VALUE_NEXT
+    if value == at + 1 and not (http or _VALUE_NEXT.fullmatch(text, start, end)):
         return None
     if value >= len(segments):
         return None
     after, _, whole = segments[value]
-    return value if whole and _blank(text, end, after) and text[after] != "-" else None
+    gap = _blank(text, end, after) or (
+        data and text[end - 1] == ":" and _YAML_GAP.fullmatch(text, end, after)
+    )
+    return value if whole and gap and text[after] != "-" else None
 
 
 def _blank(text: str, start: int, end: int) -> bool:
@@ -894,10 +1073,30 @@ class Redactor:
         done = 0
         for start, end in pieces(text):
             piece = text[start:end]
-            out += [text[done:start], self.head(piece) if was_cut and end == len(text) else self._text(piece)]
+            out += [text[done:start], self.head(piece) if was_cut and end == len(text) else self._word(piece)]
             done = end
         out.append(text[done:])
         return "".join(out)
+
+    def _word(self, piece: str) -> str:
+        """``piece``, a shell's word (or a flag and its value), redacted; and as the shell reads
+        it too, its quotes removed (``PASSWORD=""x``, ``PASSWORD="a"'b'``, ``$'x'``: the parts
+        of one value), what that hides put in place of the characters it came from."""
+        out = self._text(piece)
+        if not _QUOTING.search(piece):
+            return out
+        joined, sources = _unquoted(piece)
+        hidden = self._text(joined)
+        if hidden == joined:
+            return out
+        start, end = _changed(joined, hidden)
+        if start + end >= len(joined):  # nothing of the word replaced: something added
+            return self._text(hidden)
+        first, last = sources[start], sources[len(joined) - end - 1]
+        if first[2] != last[2]:  # not inside one quote: the quotes it spans go too
+            first, last = (*first[2], first[2]), (*last[2], last[2])
+        # then the patterns once more: what they found in the word as written stays hidden too
+        return self._text(piece[: first[0]] + hidden[start : len(hidden) - end] + piece[last[1] :])
 
     def _across_cuts(self, text: str) -> str:
         """``text`` whose middle was cut (``cut_marker``), redacted piece by piece: what ends at
@@ -1024,6 +1223,8 @@ class Redactor:
             name = self.text(str(key))
             if _held(item) and _sensitive_key(name):
                 out[name] = REDACTED  # whatever it is: a string, a number, a list, an object
+            elif name in _PATH_MAPS and isinstance(item, Mapping):
+                out[name] = {self.text(str(path)): self.value(content) for path, content in item.items()}
             else:
                 out[name] = self.value(item)
         return out

@@ -220,7 +220,7 @@ def _words(
     script = script_at(words) if argv else None
 
     def one(at: int) -> str:
-        hidden = flag_value(words[at - 1], words[at]) if argv and at else None
+        hidden = flag_value(words, at) if argv and at else None
         return redact(words[at] if hidden is None else hidden, at == script)
 
     if sum(map(len, words)) <= TEXT_CAP:

@@ -258,3 +258,15 @@ def test_more_credential_shapes_are_redacted(text: str, redacted: str) -> None:
 )
 def test_ordinary_text_near_the_new_shapes_is_left_alone(text: str) -> None:
     assert redact_tokens(text) == text
+
+
+def test_the_paths_of_a_path_map_are_no_credential_names() -> None:
+    """``run_code``'s ``files`` (path -> content): a file named ``x_token`` had its content
+    replaced whole, and the script it held was recorded nowhere; its content is text."""
+    out = Redactor().attributes(
+        {"files": {"x_token": "print('hello')", "cfg/secret": "password=hunter2xyz"}, "api_token": "t"}
+    )
+    assert out == {
+        "files": {"x_token": "print('hello')", "cfg/secret": "password=[REDACTED:assignment]"},
+        "api_token": "[REDACTED]",
+    }
