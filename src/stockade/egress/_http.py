@@ -365,6 +365,7 @@ class Exchange:
                 await on_connect(conn, event)
                 return
             feed.sized(event.headers)
+            feed.passed_on()  # the head is h11's, parsed: its read no longer counts
             if not await self.forward(feed, event, tunnel=tunnel):
                 return
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
@@ -514,6 +515,7 @@ class Exchange:
                 if reused and response.status_code == 408:
                     continue  # the server's "you were idle too long", sent before it closed
                 answer = Feed(up, upstream, answer_trailer_over, held=rest)
+                rest = b""  # the feed's, which lets it go once h11 has it: not held here all along
                 answer.sized(response.headers)
                 status = await self._send_response(
                     feed, response, target, credential, progress=progress, answer=answer
@@ -645,11 +647,14 @@ class Exchange:
 
     @staticmethod
     async def _pass_on(
-        data: bytes, dst: Any, dst_stream: Stream, out: list[bytes], reply: Reply | None
+        body: list[bytes], dst: Any, dst_stream: Stream, out: list[bytes], reply: Reply | None
     ) -> None:
-        """``data`` framed for ``dst`` into ``out`` (through ``reply`` if any); a decoded
-        reply goes out piece by piece, so a small compressed body is never held whole."""
+        """``body``'s pieces, joined once and taken from it, framed for ``dst`` into ``out``
+        (through ``reply`` if any); a decoded reply goes out piece by piece, so a small
+        compressed body is never held whole."""
         h11 = load_h11()
+        data = b"".join(body)
+        body.clear()  # the pieces go: only the joined copy stays (the pieces were h11's copies)
         if reply is None:
             out.append(dst.send(h11.Data(data=data)))
             return
@@ -659,8 +664,7 @@ class Exchange:
                 continue
             out.append(dst.send(h11.Data(data=piece)))
             if reply.decoder is not None:
-                await dst_stream.send(b"".join(out))
-                out.clear()
+                await write(dst_stream, out)
 
     async def _relay_body(
         self,
@@ -687,7 +691,12 @@ class Exchange:
         the shared loop); and every ``EVENTS_PER_TURN`` pieces the loop serves the others.
         h11 gets what came in pieces of bounded lines (``Feed``): the next one with no
         write in between, while what came is not all given (every ``PIECES_PER_TURN``
-        of them, the loop serves the others)."""
+        of them, the loop serves the others).
+
+        While a write waits, the relay holds one copy of what it carries, the one written:
+        the pieces h11 made and the joined body are let go first. The read they came from
+        is charged to the sandbox until the write takes the charge over (``write``,
+        ``Plain.send``); held across the wait, each copy was uncounted."""
         h11 = load_h11()
         src = feed.conn
         out: list[bytes] = [head] if head else []  # framed for dst, not yet sent
@@ -698,11 +707,12 @@ class Exchange:
             event = src.next_event()
             if isinstance(event, h11.Data):
                 self.gate.spend(len(event.data))
-                body.append(bytes(event.data))
+                body.append(event.data)  # h11's own copy (a bytearray): joined once, below
                 held += len(event.data)
                 events += 1
                 if held < CHUNK and events < EVENTS_PER_TURN:
                     continue
+                event = h11.Data  # not the piece: ``body`` has it, until it is joined
             elif event is h11.NEED_DATA and feed.held:  # what came is not all h11's yet
                 await feed.more()
                 continue
@@ -710,25 +720,22 @@ class Exchange:
                 # the connection closed (h11 ``ConnectionClosed``, or ``PAUSED`` past its end)
                 raise ConnectionError("the connection closed mid-message")
             if body:  # joined once: a body of tiny chunks costs what its bytes cost
-                data = b"".join(body)
-                body.clear()
-                held = 0
-                await self._pass_on(data, dst, dst_stream, out, reply)
+                size, held = held, 0
+                await self._pass_on(body, dst, dst_stream, out, reply)
                 if out:
-                    framed += len(data)
+                    framed += size
                 else:  # a decoded reply went out piece by piece (or is held to decode)
-                    count(len(data))
+                    count(size)
             if isinstance(event, h11.EndOfMessage):
                 rest = reply.end() if reply is not None else b""
                 if rest:
                     out.append(dst.send(h11.Data(data=rest)))
                 out.append(dst.send(h11.EndOfMessage()))
-                await dst_stream.send(b"".join(out))
+                await write(dst_stream, out, feed)
                 count(framed)
                 return
             if out:
-                await dst_stream.send(b"".join(out))
-                out.clear()
+                await write(dst_stream, out, feed)
                 count(framed)
                 framed = 0
             if event is h11.NEED_DATA:
@@ -736,6 +743,23 @@ class Exchange:
             elif events >= EVENTS_PER_TURN:  # one read of tiny chunks is many events: let others run
                 events = 0
                 await asyncio.sleep(0)
+
+
+async def write(stream: Stream, out: list[bytes], feed: Feed | None = None) -> None:
+    """``out``'s pieces to ``stream`` in one write, taken from it first, which takes over
+    the charge of the read they came from (``feed``'s, once all of it is: a decoded reply's
+    pieces leave while their read is still being decoded, and it stays charged): while it
+    waits, what it wrote is charged (``Plain.send``), and is all that is held of them (the
+    joined bytes are the write's alone: no name here holds them)."""
+    if feed is not None:
+        feed.passed_on()  # in the step of the write itself: nothing waits uncharged between
+    await stream.send(joined(out))
+
+
+def joined(out: list[bytes]) -> bytes:
+    data = b"".join(out)
+    out.clear()
+    return data
 
 
 class HeadLines:
@@ -850,6 +874,12 @@ class Feed:
         self.hold(b"")
         return data
 
+    def passed_on(self) -> None:
+        """What h11 was given has gone on (or is parsed): the read it came from counts no
+        more against the sandbox's budget (``Plain.recv``), unless some of it waits here."""
+        if not self.held:
+            self.stream.release()
+
     async def recv(self) -> bytes:
         """What is held, else the next read (``b""``: the other side's end)."""
         return self.take() or await self.stream.recv()
@@ -879,6 +909,8 @@ class Feed:
         else:
             cut = lines_end(data, HEAD_LINES - unread, start)
         self._at = cut
+        if cut == len(data):  # all h11's now (it copies what it is given): not held twice
+            self.hold(b"")
         self.conn.receive_data(data[start:cut] if start or cut < len(data) else data)
 
     def give_back(self) -> None:

@@ -10,9 +10,14 @@ all its streams: a transport hands it back (``buffer_updated``) before it reads 
 one of 256 KiB per connection would be mapped, zeroed and unmapped per request.
 
 What a sandbox's streams hold in the host's memory is bounded as a whole (``Buffers``, one
-per proxy): bytes received and not yet read, and bytes written and waiting for a slow
-reader. Past its budget every stream of that sandbox stops reading until some are taken:
-the per-connection cap alone let 128 connections where neither side reads hold ~120 MiB.
+per proxy): bytes received and not yet read; the last read, which its reader holds (and the
+copies it makes of it: h11's, the framing) until it asks for more or says it passed it on
+(``release``, or the write that carries it on); and bytes written and waiting for a slow
+reader, the whole of a write while its writer waits. Past its budget every stream of that
+sandbox stops reading until some are taken: the per-connection cap alone let 128
+connections where neither side reads hold ~120 MiB, and a charge given back as soon as a
+read left the stream let copies on their way to the other side (three of up to 256 KiB
+per connection) go uncounted.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ BUFFERED_LIMIT = 16 * 1024 * 1024  # bytes one sandbox's streams may hold at onc
 
 
 class Buffers:
-    """What one sandbox's streams hold at once: received and not yet read, and written and
-    not yet taken by the peer (while a stream's writer waits). Past ``limit`` every stream
+    """What one sandbox's streams hold at once: received and not yet passed on (``Plain.recv``),
+    and written and not yet taken by the peer (while a stream's writer waits). Past ``limit`` every stream
     sharing it stops reading (backpressure: the peers' sockets fill, then their senders
     wait); below three quarters of it they read again. A read that is under way may still
     land: the bound is ``limit`` plus one read per stream (``get_buffer``)."""
@@ -73,6 +78,7 @@ class Buffers:
 class Stream(Protocol):
     async def recv(self) -> bytes: ...
     async def send(self, data: bytes) -> None: ...
+    def release(self) -> None: ...
     def close(self) -> None: ...
     def gone(self) -> bool: ...
 
@@ -86,6 +92,7 @@ class Plain(asyncio.BufferedProtocol):
         self._buffers = buffers if buffers is not None else Buffers()  # the sandbox's, shared
         self._data = bytearray()  # received, not yet read
         self._charged = 0  # of ``_data``, what ``_buffers`` counts (none once the connection is lost)
+        self._lent = 0  # of the last read, what ``_buffers`` counts while its reader holds it
         self._charged_out = 0  # written and waiting in the transport, counted while the writer waits
         self._view = memoryview(b"")  # where the transport's last read went (the thread's buffer)
         self._eof = False
@@ -140,7 +147,8 @@ class Plain(asyncio.BufferedProtocol):
     def _release(self) -> None:
         """Nothing of this stream counts against the sandbox's budget any more (it is lost)."""
         self._buffers.forget(self)
-        charged, self._charged, self._charged_out = self._charged + self._charged_out, 0, 0
+        charged = self._charged + self._charged_out + self._lent
+        self._charged = self._charged_out = self._lent = 0
         if charged:
             self._buffers.give(charged)
 
@@ -164,10 +172,6 @@ class Plain(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         if self._writable is None:
             self._writable = asyncio.get_running_loop().create_future()
-        if not self._charged_out and not self._lost and self.transport is not None:
-            # what waits for a slow reader is the sandbox's too, while its writer waits
-            self._charged_out = self.transport.get_write_buffer_size()
-            self._buffers.take(self._charged_out)
 
     def resume_writing(self) -> None:
         charged, self._charged_out = self._charged_out, 0
@@ -185,7 +189,10 @@ class Plain(asyncio.BufferedProtocol):
     # -- the proxy's side ------------------------------------------------------------------
 
     async def recv(self) -> bytes:
-        """What has come (at most ``CHUNK``); ``b""`` at the end of the stream."""
+        """What has come (at most ``CHUNK``); ``b""`` at the end of the stream. It stays
+        charged to the sandbox until the next ``recv`` or ``release``: the reader holds it,
+        and what it makes of it, until then."""
+        self.release()  # asking for more: the last read has been passed on
         if not self._data and not self._eof:
             self._reader = asyncio.get_running_loop().create_future()
             try:
@@ -199,10 +206,8 @@ class Plain(asyncio.BufferedProtocol):
             else:
                 data = bytes(self._data[:CHUNK])
                 del self._data[:CHUNK]
-            taken = min(len(data), self._charged)
-            if taken:
-                self._charged -= taken
-                self._buffers.give(taken)
+            self._lent = min(len(data), self._charged)  # the reader's now, still the sandbox's
+            self._charged -= self._lent
             if self._reading_paused and self.transport is not None and len(self._data) < CHUNK:
                 if self._buffers.full:  # its own cap no longer holds it; the sandbox's budget does
                     self._buffers.wait(self)
@@ -215,14 +220,28 @@ class Plain(asyncio.BufferedProtocol):
             raise self._error
         return b""
 
+    def release(self) -> None:
+        """What the last ``recv`` returned has been passed on: it counts no more."""
+        lent, self._lent = self._lent, 0
+        if lent:
+            self._buffers.give(lent)
+
     async def send(self, data: bytes) -> None:
         if self._error is not None:
             raise self._error
         if self._lost or self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("connection lost")
+        size = len(data)
         if data:
             self.transport.write(data)
+        del data  # the transport's copy (or its reference to it) is what waits: not ours too
         if self._writable is not None:
+            # What waits for a slow reader is the sandbox's too, while its writer waits: all
+            # of what was written (a transport that keeps it whole keeps the part that went).
+            owed = max(self.transport.get_write_buffer_size(), size) - self._charged_out
+            if owed > 0:
+                self._charged_out += owed
+                self._buffers.take(owed)
             await self._writable
 
     def eof(self) -> None:
@@ -351,7 +370,11 @@ class ServerTLS:
 
     async def send(self, data: bytes) -> None:
         self.obj.write(data)
+        del data  # the encrypted copy is what waits (``Plain.send``): not the plain one too
         await self._flush()
+
+    def release(self) -> None:
+        self.raw.release()
 
     def close(self) -> None:
         self.raw.close()

@@ -116,13 +116,17 @@ class Tunnels:
         async def pump(src: Plain, dst: Plain, index: int) -> None:
             try:
                 while True:
-                    data = await src.recv()
-                    if not data:
+                    # The read in a list, popped into the write: while the write waits its
+                    # copy is what is held (and charged), not this one too.
+                    read = [await src.recv()]
+                    size = len(read[0])
+                    if not size:
                         break
-                    counts[index] += len(data)
-                    if not window.add(len(data)):
+                    counts[index] += size
+                    if not window.add(size):
                         raise ConnectionError("the sandbox's bytes per minute are spent")
-                    await dst.send(data)
+                    src.release()  # the write takes its charge over, in this same step
+                    await dst.send(read.pop())
             finally:
                 dst.eof()
 

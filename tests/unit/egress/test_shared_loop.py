@@ -17,6 +17,8 @@ import re
 import socket
 import ssl
 import threading
+import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -48,6 +50,9 @@ class Scripted:
         then, self.on_send = self.on_send, None
         if then is not None:
             then()
+
+    def release(self) -> None:
+        pass  # nothing it hands out is held on its side
 
     def close(self) -> None:
         pass
@@ -288,3 +293,93 @@ def test_a_tunnel_whose_client_left_while_its_server_stopped_reading_gives_its_b
         wait_for(lambda: proxy.gate.buffers.held == 0, what="the tunnel's bytes given back", timeout_s=5)
     finally:
         _loop.call(proxy.close())
+
+
+BODY = b"x" * 65536  # what ``Endless`` sends, made once: the test measures the proxy's memory
+
+
+class Endless:
+    """An HTTP server whose every answer is a body of 1 GiB, sent as fast as it is taken."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._serve, daemon=True)]
+        self.threads[0].start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.threads.append(threading.Thread(target=self._answer, args=(conn,), daemon=True))
+            self.threads[-1].start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                more = conn.recv(4096)
+                if not more:
+                    return
+                head += more
+            conn.settimeout(0.05)
+            with contextlib.suppress(OSError):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
+            while not self.stop.is_set():
+                try:
+                    conn.send(BODY)
+                except TimeoutError:
+                    continue
+                except OSError:  # the proxy closed it
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes its accept
+        self.sock.close()
+        for thread in list(self.threads):
+            thread.join(10)
+
+
+def test_answers_nobody_reads_hold_at_most_the_sandboxs_budget_all_copies_included() -> None:
+    """Sixteen requests for a fast answer of 1 GiB whose client never reads: the proxy's
+    memory grows (tracemalloc: every copy, not only what its budget counts) by the budget
+    (1 MiB here) and a little per connection. Before, the budget counted a connection's
+    unread bytes and its paused writes only: the copies on the way between (the read passed
+    on, h11's piece, the body joined) were ~0.75 MiB per connection more, 13 MiB here."""
+    budget, connections = 1024 * 1024, 16
+    server = Endless()
+    policy = NetworkPolicy(
+        allow_hosts=(f"up.test:{server.port}",), resolve={"up.test": ("127.0.0.1",)},
+        allow_addresses=("127.0.0.1/32",),
+    )  # fmt: skip
+    proxy = EgressProxy(policy, max_buffered=budget)
+    port = _loop.call(proxy.start_tcp())
+    clients: list[socket.socket] = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(connections):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET http://up.test:%d/big HTTP/1.1\r\nHost: up.test\r\n\r\n" % server.port)
+            clients.append(sock)
+        wait_for(lambda: held_by_streams()[1] >= 2 * connections, what="every request to reach its server")
+        grown = 0
+        deadline = time.monotonic() + 3  # the answers keep coming: the most held while they do
+        while time.monotonic() < deadline:
+            grown = max(grown, tracemalloc.get_traced_memory()[0] - before)
+            time.sleep(0.01)
+        # and a little per connection (its objects, a socket's write buffer under its mark),
+        # and the loop thread's one receive buffer (256 KiB, made at its first read)
+        assert grown <= budget + 256 * 1024 + connections * 64 * 1024, f"{grown / 2**20:.1f} MiB held"
+    finally:
+        tracemalloc.stop()
+        for sock in clients:
+            sock.close()
+        _loop.call(proxy.close())
+        server.close()
