@@ -493,6 +493,55 @@ def test_under_an_allowlist_git_runs_its_helpers(allowing: Sandbox | None) -> No
         sbx.commands.run("python3 -c 'import shutil; shutil.rmtree(\"/workspace/a\")'")
 
 
+# git's exec-path holds git itself under every git-X name (git-init, git-status: links to
+# one file), and git runs the command its argv[0] names or, named otherwise, its args name:
+# each spelling here is `git init` whatever the path it was run by.
+GIT_INITS = (
+    '["/usr/lib/git-core/git", "init", "r1"]',
+    '["/usr/lib/git-core/git-init", "r2"]',
+    '["git", "init", "r3"], executable="/usr/lib/git-core/git-status"',
+    '["git-init", "r4"], executable="/usr/bin/git"',
+    '["git", "--version"]',
+)
+GIT_STATUSES = (
+    '["git", "status"]',
+    '["git-status", "--short"], executable="/usr/lib/git-core/git"',
+    '["git-status", "--short"], executable="/usr/bin/git"',
+)
+
+
+def _ran(spellings: tuple[str, ...]) -> str:
+    """Python that runs each of ``spellings`` (subprocess.run's arguments) in /workspace and
+    prints ``refused`` for each exec refused, or its exit code."""
+    lines = ["import os, subprocess", "os.chdir('/workspace')"]
+    for spelling in spellings:
+        lines += [
+            "try:",
+            f"    print(subprocess.run({spelling}, capture_output=True).returncode)",
+            "except PermissionError:",
+            "    print('refused')",
+        ]
+    return "\n".join(lines)
+
+
+def test_under_an_allowlist_git_runs_only_the_command_its_argv_names(allowing: Sandbox | None) -> None:
+    # /usr/lib/git-core/git was allowed as any of its names: `git init r1` read as
+    # `git-status init r1`, which `git status` allows.
+    if allowing is None:
+        return
+    rules = SandboxRules(allow=(*ALLOWED, "git status"))
+    with Sandbox.create(allowing.tier, limits=LIMITS, rules=rules) as sbx:
+        if not _image_has(sbx, "/usr/lib/git-core/git-status"):
+            return
+        r = sbx.run_code(_ran(GIT_INITS))
+        assert r.logs.stdout.split() == ["refused"] * len(GIT_INITS), (r.logs.stdout, r.logs.stderr)
+        made = sbx.commands.run("ls -d /workspace/r* 2>/dev/null; echo done").stdout
+        assert made == "done\n", made
+        r = sbx.run_code(_ran(GIT_STATUSES))  # no repository: git status says so (128)
+        assert r.logs.stdout.split() == ["128"] * len(GIT_STATUSES), (r.logs.stdout, r.logs.stderr)
+        assert [e.verdict for e in r.execs] == ["allow"] * len(GIT_STATUSES), r.execs
+
+
 def test_under_an_allowlist_a_listed_env_script_runs_its_interpreter(allowing: Sandbox | None) -> None:
     # npm is `#!/usr/bin/env node`: env execs node with npm's path, judged as npm; node alone
     # is still not listed.

@@ -249,3 +249,54 @@ def test_a_link_swapped_while_an_exec_is_judged_leaves_no_name_on_the_file(
     raced = os.stat(ls)  # what the first look saw, before the link moved on
     assert judge.judge(os.getpid(), str(link), ["ls", "/"], raced)[0] == "deny"
     assert judge.judge(os.getpid(), str(ls), ["ls", "/"]) == ("allow", None)
+
+
+@pytest.mark.parametrize(
+    ("names", "argv0", "runs_as"),
+    [
+        (["git", "git-init", "git-status"], "/usr/lib/git-core/git", ["git"]),  # git init x
+        (["git", "git-init", "git-status"], "/usr/lib/git-core/git-init", ["git-init"]),
+        (["git", "git-init", "git-status"], "git-status", ["git-status"]),
+        (["git", "git-init", "git-status"], "anything", ["git"]),  # no name of its: git's own
+        (["git"], "git-init", ["git-init"]),  # /usr/bin/git given argv[0] git-init runs git init
+        (["git-remote-http", "git-remote-https"], "x", ["git-remote-http", "git-remote-https"]),
+        (["python3"], "python3.11", ["python3"]),
+        (["ls", "cat"], "cat", ["cat"]),  # busybox's applets
+    ],
+)
+def test_a_listed_file_runs_as_the_name_its_argv0_gives_it(
+    names: list[str], argv0: str, runs_as: list[str]
+) -> None:
+    """A file listed by several names (git's in its exec-path: git-init, git-status) runs the
+    command its argv[0] names, never the one another name of its file would."""
+    assert execrules.run_as(names, argv0) == runs_as
+
+
+GIT_CORE = "/usr/lib/git-core"
+# An exec of git's files in every spelling the code can give it, under ALLOW (`git status`):
+# the file, argv[0], and whether it runs as git status.
+GIT_SPELLINGS = [
+    (f"{GIT_CORE}/git", [f"{GIT_CORE}/git", "init", "r1"], False),
+    (f"{GIT_CORE}/git-init", [f"{GIT_CORE}/git-init", "r2"], False),
+    (f"{GIT_CORE}/git-status", ["git", "init", "r3"], False),  # git reads argv[0], not the path
+    ("/usr/bin/git", ["git-init", "status"], False),  # git-init's argv[0]: git init status
+    ("/usr/bin/git", ["git", "--version"], False),
+    (f"{GIT_CORE}/git", ["git", "status", "--short"], True),
+    (f"{GIT_CORE}/git-status", ["git-status", "--short"], True),
+    ("/usr/bin/git", ["git-status", "--short"], True),
+]
+
+
+@pytest.mark.parametrize(("path", "argv", "runs"), GIT_SPELLINGS)
+def test_the_sandboxs_exec_judge_judges_gits_files_as_the_command_git_runs(
+    execjudge: Any, path: str, argv: list[str], runs: bool
+) -> None:
+    """/usr/lib/git-core/git is listed by every git-X name there, and was allowed as any
+    of them: `git init r1` read as `git-status init r1` is `git status init r1`."""
+    require(GIT_CORE, os.path.exists(f"{GIT_CORE}/git-status"), "the judge is read on git's files elsewhere")
+    commands = {"deny": [], "approve": [], "allow": ALLOW}
+    rulespy = importlib.import_module("rulespy")
+    listed, _ = rulespy.allowlist(ALLOW)
+    judge = execjudge.ExecJudge(None, commands, rulespy.program_sizes(commands), listed=listed)
+    expected = ("allow", None) if runs else ("deny", "commands.allow")
+    assert judge.judge(os.getpid(), path, argv) == expected

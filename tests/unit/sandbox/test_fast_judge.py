@@ -460,3 +460,28 @@ def test_the_compiled_confinement_makes_a_shim_a_subreaper_in_the_same_call(tmp_
     assert got["compiled"]
     # [done here, a child subreaper, dumpable]
     assert got["shims"] == [[True, 1, 1], [False, 0, 1]]
+
+
+@pytest.mark.parametrize(("allow", "runs"), [(["*-status"], False), (["g?t"], True)])
+def test_a_file_listed_by_another_programs_command_is_answered_by_judge_c_only_as_python_does(
+    judges: tuple[Any, Any], tmp_path: Path, allow: list[str], runs: bool
+) -> None:
+    """git's file listed as git-status alone (a rule of one word whose glob names that) runs
+    as the command its argv[0] gives it: `git-status x` is `git status x`, which a rule over
+    git-status's name is not. judge.c let it run by the name it was listed by."""
+    fast, (rules_module, execjudge) = judges
+    programs = tmp_path / "bin"
+    programs.mkdir()
+    (programs / "git").write_bytes(b"\x7fELF, git\n")
+    (programs / "git-status").symlink_to("git")
+    commands = {"deny": [], "approve": [], "allow": [allow]}
+    execrules = importlib.import_module("execrules")
+    listed, _ = execrules.allowlisted(set(allow), "", os.path.realpath, (str(programs),))
+    judge = execjudge.ExecJudge(None, commands, {}, listed=listed)
+    config = rules_module.judge_config(commands, (), listed)
+    st = (programs / "git").stat()
+    for argv in (["git-status", "x"], ["git", "init"]):
+        names = (b"git-status", b"git", argv[0].encode())
+        said = fast(config, len(config), *names, b"x", 2, st.st_size, st.st_dev, st.st_ino)
+        verdict = judge.judge(os.getpid(), str(programs / "git-status"), argv)
+        assert (bool(said), verdict) == (runs, ("allow", None) if runs else ("deny", "commands.allow"))

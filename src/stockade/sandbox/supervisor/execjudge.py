@@ -385,7 +385,11 @@ class ExecJudge:
         inner, inner_argv = carried
         if inner is None:  # an applet: the same file, by the applet's name (listed by it, or not)
             applet = execrules.program(inner_argv[0])
-            applet_as = ({applet} & listed_as[0], inner_argv[1:]) if listed_as is not None else None
+            applet_as = (
+                ({applet} & self._listed.get(_file(st), set()), inner_argv[1:])
+                if listed_as is not None
+                else None
+            )
             return _strictest(verdict, self._by_names({applet}, inner_argv, listed, applet_as))
         inner_verdict = self._judge_carried(
             pid, inner, inner_argv, depth, listed=listed, interpreting=interpreting
@@ -496,15 +500,16 @@ class ExecJudge:
         return True
 
     def _listed_as(self, st: "os.stat_result", argv: "List[str]") -> "Tuple[Set[str], List[str]]":
-        """What an allowlist may allow the file ``st`` as: the names it is listed by (a file of
-        a program a rule names, found in the program folders or a listed program's helper
-        folder: ``execrules.allowlisted``) and its arguments. A file listed by no name is no
+        """What an allowlist may allow the file ``st`` as: the name it runs as of those it is
+        listed by (a file of a program a rule names, found in the program folders or a listed
+        program's helper folder: ``execrules.allowlisted``), which its argv[0] picks
+        (``execrules.run_as``), and its arguments. A file listed by no name is no
         program a rule names, by whatever name it is run (a link the code made, /tmp/pip3 ->
         python3, or /tmp/ldd -> bash: ldd's interpreter, which runs only as ldd's), but for
         what env runs for a listed script (``_env_script``)."""
-        names = self._listed.get((st.st_dev, st.st_ino))
-        if names:
-            return set(names), argv[1:]
+        names = self._listed.get(_file(st))
+        if names:  # by the name it runs as: git-status's file given `git init` is git init
+            return set(execrules.run_as(sorted(names), argv[0] if argv else "")), argv[1:]
         return self._env_script(st, argv) or (set(), argv[1:])
 
     def _env_script(self, st: "os.stat_result", argv: "List[str]") -> "Optional[Tuple[Set[str], List[str]]]":

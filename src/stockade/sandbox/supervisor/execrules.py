@@ -685,6 +685,21 @@ def allowlisted(
     return listed, sorted(path for path in needed - set(listed) if os.path.exists(root + path))
 
 
+def run_as(names: "Iterable[str]", argv0: str) -> "List[str]":
+    """The names a file the allowlist lists by ``names`` runs as when exec'd with ``argv0``:
+    a program run by one of them picks its command from argv[0], never from the path it was
+    run by nor another name of its file (/usr/lib/git-core/git, listed as git-status too, is
+    `git init x` given argv ``git init x``, and `git status` given ``git-status``), and git
+    by ``git-X`` runs its command X (``rule_names``). Given no name of its, the file is its
+    own program: its names that are no other's command (``git``, not ``git-status``)."""
+    names = list(names)
+    given = program(argv0)
+    if given in names or (given.startswith("git-") and len(given) > 4 and "git" in names):
+        return [given]
+    own = [name for name in names if len(pattern([name])) == 1]
+    return own or names
+
+
 def _git_alias(args: "Sequence[str]") -> bool:
     """Whether git, given ``args``, may run a command that is not one of its own: an alias,
     or a typo that ``help.autocorrect`` runs as the command it resembles, inside git. An

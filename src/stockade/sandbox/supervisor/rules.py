@@ -600,7 +600,7 @@ def judge_config(
     the folders and names given (``find_sizes``): beside our start, not in it. Those of the
     programs the tier masks (``masked``: what the host read of them) are given: a file of
     such a size, and any file outside the image (its build ID), goes to Python. Under an
-    allowlist, the files of the programs ``listed`` by a name a rule of one word allows
+    allowlist, the files of the programs ``listed`` by names a rule of one word allows each of
     (``Rules.listed``): the only ones judge.c lets run (by their identity, found by its
     thread as the sizes are); any other exec goes to Python."""
     entries = [f"M{MAX_EXEC_ARGV}"]
@@ -617,13 +617,16 @@ def judge_config(
     entries += [f"T{name}" for name in INTERPRETERS] + [f"G{folder}" for folder in IMAGE_FOLDERS]
     if commands["allow"]:
         entries.append("L")
-        from execrules import _glob  # type: ignore[import-not-found]
+        from execrules import allows  # type: ignore[import-not-found]
 
-        alone = [words[0] for words in commands["allow"] if words and not _over_argv(words)]
+        # A file runs as any name it is listed by (argv[0] picks it: execrules.run_as), so
+        # only one a rule of one word allows by each of them (not /usr/lib/git-core/git,
+        # listed as git-status too, under `git status`) is let run whatever its arguments.
+        alone = [words for words in commands["allow"] if words and not _over_argv(words)]
         entries += [
             f"F{path}"
             for path, names in sorted((listed or {}).items())
-            if any(_glob(name, glob) for name in names for glob in alone)
+            if all(any(allows(words, [name]) for words in alone) for name in names)
         ]
     entries += [f"D{folder}" for folder in PROGRAM_DIRS]
     entries += [f"N{name}" for name in sorted(program_names(commands))]
