@@ -35,7 +35,8 @@ here-document's text is read so too, from the line after its ``<<`` to its word:
 name with ``=`` and its value (``PASSWORD = "x"``), and each private key in it whole.
 A program's source in another language (``CodeText``: run_code's Python, node, ...) is
 redacted statement by statement (``Redactor.code``): a value ends at its line's end, at a ``;``
-and at the quote that closes its string.
+and at the quote that closes its string; a string given to a credential's name is hidden whole,
+as the language reads it (triple quotes, ``\\'``), and an expression given to one is kept.
 
 A text someone cut before it reached the redactor (a sandbox caps the words of an exec it
 reports) may end with half a credential, which no pattern and no registered value matches:
@@ -160,6 +161,9 @@ _SIGNATURE_PARAM = r"[?&;](?:sig|[Ss]ignature|(?i:x-(?:amz|goog)-signature))="
 _XML_VALUE = rf"(?:[^\s<>'\"\\{_SHELL}]|&(?:amp|lt|gt|quot|apos|#x?[0-9A-Fa-f]{{1,6}});)"
 # curl's user flag: ``-u x``, ``-ux`` (a user that begins with a letter), ``--user x``, ``--user=x``.
 _USER_OPENS = r"(?<![\w\-])(?:-u(?:[ \t]+|(?=[A-Za-z]))|--user(?:[ \t]+|=))"
+# Its user, up to the ``:``: a bounded run, since a user is short and from every ``--user=`` of
+# ``--user=--user=…`` an unbounded one scanned to the text's end for a ``:`` (quadratic).
+_USER = rf"[^\s:'\"{_SHELL}]{{1,{_LONGEST}}}"
 
 # name -> pattern; the whole match is replaced by [REDACTED:name], except the named group
 # ``keep`` (the scheme word of ``Bearer x``, the name in ``password=x``), which stays.
@@ -184,7 +188,9 @@ TOKEN_PATTERNS: dict[str, str] = {
     # hf_ and 34 letters; not an identifier (hf_hub_download has underscores)
     "huggingface_token": r"hf_(?<!\whf_)[A-Za-z0-9]{30,}\b",
     "npm_token": r"npm_(?<!\wnpm_)[A-Za-z0-9]{36}\b",
-    "jwt": r"eyJ(?<!\weyJ)[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}",
+    # a JWT begins a word (not after a ``-``: from each ``eyJ`` of ``eyJ-eyJ-…`` a scan ran to the
+    # text's end for a ``.``)
+    "jwt": r"eyJ(?<![\w\-]eyJ)[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}",
     # an HTTP credential: the token must contain a digit, so that "Token ordinaryword" stays
     "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|[Tt]oken)\s+)(?=[A-Za-z\-._~+/]*\d)[A-Za-z0-9\-._~+/]{12,}=*",
     # Cookie: a=1; session=x (an HTTP header), curl -b 'session=x' (--cookie): every cookie's
@@ -242,7 +248,7 @@ TOKEN_PATTERNS: dict[str, str] = {
     # curl -u user:password, --user=user:password, -uuser:password (a user that is a number,
     # docker's -u 1000:1000, is a uid and gid)
     "user_password": (
-        rf"(?P<keep>{_USER_OPENS}['\"]?[^\s:'\"{_SHELL}]+:)"
+        rf"(?P<keep>{_USER_OPENS}['\"]?{_USER}:)"
         rf"(?!\[REDACTED|\d+(?![^\s\"'{_SHELL}])){_BARE}+"
     ),
     # password=x, PGPASSWORD=x, accessToken: x, 'secret': 'x', \"token\": \"x\" (JSON in a string)
@@ -309,7 +315,7 @@ TAIL_PATTERNS: dict[str, str] = {
         rf"(?:(?<='){_SQ}{{0,{_LONGEST}}}|(?<=\"){_DQ}{{0,{_LONGEST}}}\\?|(?<!['\"]){_BARE}*\\?)\Z"
     ),
     "user_password": (
-        rf"(?P<keep>{_USER_OPENS}['\"]?[^\s:'\"{_SHELL}]+:)(?!\[REDACTED)"
+        rf"(?P<keep>{_USER_OPENS}['\"]?{_USER}:)(?!\[REDACTED)"
         rf"{_BARE}*\\?\Z"
     ),
     "assignment": (
@@ -808,47 +814,138 @@ class CodeText(str):
 _CODE_KEY_BLOCK = re.compile(f"{TOKEN_PATTERNS['private_key']}|{TOKEN_PATTERNS['pgp_private_key']}")
 _GIVEN = re.compile(rf"[ \t]*{_GIVES}")  # after a string, a value given to it (a key: ``"password":``)
 _QUOTES = "'\"`"
+_TRIPLES = ('"""', "'''")
+# A credential's name right before where a value is given to it in code (what is looked back
+# over: a name's end, then blanks and the quote that closes a key's string).
+_CODE_NAME = re.compile(rf"(?i:{_NAMES})['\"]?[ \t]*\Z")
+_NAME_REACH = 32
+# What a value given in code begins with, after blanks and a ``(``: a string (a literal, which
+# is the value) or a name (an expression: ``password = os.system``, whose call is no secret).
+_CODE_VALUE = re.compile(r"[ \t]*(?:\([ \t]*)?(?:(?P<quote>\"\"\"|'''|['\"`])|[A-Za-z_$])")
+_CODE_REDACTED = "[REDACTED:quoted_assignment]"  # a string literal given to a credential's name
+# A code piece: its span, and whether it is a string literal given to a credential's name
+# (its text between its quotes is replaced whole: ``\'`` and ``;`` in it are its own).
+_CodePiece = tuple[int, int, bool]
+_Piece = tuple[int, int] | _CodePiece
 
 
-def _code_pieces(text: str) -> list[tuple[int, int]]:
+def _code_pieces(text: str) -> list[_CodePiece]:
     """The spans of ``text``, a program's source, that are redacted each alone: each private
     key block, and elsewhere each line cut at a ``;`` outside a string and right after the
-    quote that closes a string (but a key's: ``"token": "x"`` is one piece)."""
-    pieces: list[tuple[int, int]] = []
+    quote that closes a string (but a key's: ``"token": "x"`` is one piece); a string given to
+    a credential's name is a piece of its own, and what a name is given that is no string (an
+    expression) begins one."""
+    pieces: list[_CodePiece] = []
     at = 0
     for key in _CODE_KEY_BLOCK.finditer(text):
         pieces += _statements(text, at, key.start())
-        pieces.append(key.span())
+        pieces.append((*key.span(), False))
         at = key.end()
     return pieces + _statements(text, at, len(text))
 
 
-def _statements(text: str, start: int, end: int) -> list[tuple[int, int]]:
+def _statements(text: str, start: int, end: int) -> list[_CodePiece]:
     """The pieces of ``text[start:end]`` (see ``_code_pieces``). Strings are read as most
-    languages write them (``'``, ``"`` or a backtick, a backslash escaping the next character,
-    none running past its line): a language that reads them otherwise gets pieces cut at other
-    quotes, never a value longer than a line."""
-    pieces: list[tuple[int, int]] = []
+    languages write them (``'``, ``"``, a backtick or Python's triple quotes, a backslash
+    escaping the next character, none but a triple-quoted one running past its line): a
+    language that reads them otherwise gets pieces cut at other quotes, never a value longer
+    than a line but a triple-quoted string's that is given to a credential's name."""
+    pieces: list[_CodePiece] = []
     piece = i = start
     quote = ""
+    unclosed: dict[str, int] = {}  # a triple quote: from where none closes one (read once)
     while i < end:
         char = text[i]
         if char == "\\":
             i += 2
             continue
-        if char == "\n" or (char == ";" and not quote):
-            pieces.append((piece, i))
+        if not quote and char in "=:" and (given := _given_at(text, piece, i, end)) is not None:
+            value, literal_end = given
+            if value > piece:
+                pieces.append((piece, value, False))
+            if literal_end is not None:
+                pieces.append((value, literal_end, True))
+            piece = i = literal_end if literal_end is not None else value
+            continue
+        if char == "\n" and quote not in _TRIPLES:
+            pieces.append((piece, i, False))
             piece, quote = i + 1, ""
-        elif quote and char == quote:
+        elif char == "\n" or (char == ";" and not quote):
+            pieces.append((piece, i, False))
+            piece = i + 1
+        elif quote and text.startswith(quote, i):
+            i += len(quote) - 1
             quote = ""
             if not _GIVEN.match(text, i + 1, end):
-                pieces.append((piece, i + 1))
+                pieces.append((piece, i + 1, False))
                 piece = i + 1
         elif not quote and char in _QUOTES:
-            quote = char
+            quote = _opening(text, i, end, unclosed)
+            i += len(quote) - 1
         i += 1
-    pieces.append((piece, end))
-    return [(a, b) for a, b in pieces if a < b]
+    pieces.append((piece, end, False))
+    return [(a, b, literal) for a, b, literal in pieces if a < b]
+
+
+def _opening(text: str, i: int, end: int, unclosed: dict[str, int]) -> str:
+    """The quote that opens a string at ``i``: a triple one only when one closes it."""
+    for triple in _TRIPLES:
+        if text.startswith(triple, i) and i + 3 < unclosed.get(triple, end + 1):
+            if text.find(triple, i + 3, end) >= 0:
+                return triple
+            unclosed[triple] = i + 3
+    return text[i]
+
+
+def _given_at(text: str, piece: int, i: int, end: int) -> tuple[int, int | None] | None:
+    """At ``i``, outside a string, a ``=`` or ``:`` that gives a credential's name a value:
+    where that value begins, and where it ends when it is a string literal (its closing quote
+    on its line, but a triple quote's; no longer than a credential). ``None``: none is given
+    there, or a value that is neither (a number, a list: read as the patterns read it)."""
+    gives = _GIVES_AT.match(text, i, end)
+    if gives is None or (i > piece and text[i - 1] in "=!<>"):
+        return None
+    if _CODE_NAME.search(text, max(piece, i - _NAME_REACH), i) is None:
+        return None
+    value = _CODE_VALUE.match(text, gives.end(), end)
+    if value is None:
+        return None
+    quote = value.group("quote")
+    if quote is None:  # an expression: kept, but for a token's shape the patterns find in it
+        return value.end() - 1, None
+    close = _closing(text, value.end(), end, quote)
+    if close is None:
+        return None
+    return value.end() - len(quote), close + len(quote)
+
+
+_GIVES_AT = re.compile(_GIVES)
+
+
+def _literal_redacted(literal: str) -> str:
+    """A string literal given to a credential's name (with its quotes), its text replaced;
+    one too short to be a credential, or a mark already, stays."""
+    quote = literal[:3] if literal.startswith(_TRIPLES) else literal[0]
+    inside = literal[len(quote) : len(literal) - len(quote)]
+    if len(inside) < MIN_SECRET_LENGTH or inside.startswith("[REDACTED"):
+        return literal
+    return f"{quote}{_CODE_REDACTED}{quote}"
+
+
+def _closing(text: str, i: int, end: int, quote: str) -> int | None:
+    """Where the string whose text starts at ``i`` closes, within ``_LONGEST`` characters (and
+    its line, but a triple quote's); ``None``: not there."""
+    last = min(end, i + _LONGEST + 1)
+    while i < last:
+        if text[i] == "\\":
+            i += 2
+        elif text.startswith(quote, i):
+            return i
+        elif text[i] == "\n" and quote not in _TRIPLES:
+            return None
+        else:
+            i += 1
+    return None
 
 
 # name -> pattern, replaced by [REDACTED:name] (cards only when their digits pass Luhn's check)
@@ -1061,19 +1158,27 @@ class Redactor:
     def code(self, text: str, *, was_cut: bool = False) -> CodeText:
         """``text``, a program's source (``CodeText``), redacted statement by statement
         (``_code_pieces``): a value ends at the end of its line, at a ``;`` and at the quote
-        that closes its string, whatever quote a regex would have read it to."""
+        that closes its string, whatever quote a regex would have read it to. A string given
+        to a credential's name is hidden whole (Python's triple quotes, ``= ("x")``, ``'a\\'b'``);
+        an expression given to one (``password = os.system``) is code, and is kept."""
         return CodeText(self._by_pieces(text, _code_pieces, was_cut=was_cut))
 
-    def _by_pieces(self, text: str, pieces: Callable[[str], list[tuple[int, int]]], *, was_cut: bool) -> str:
+    def _by_pieces(self, text: str, pieces: Callable[[str], Sequence[_Piece]], *, was_cut: bool) -> str:
         """``text`` with each of its ``pieces`` redacted alone; a registered secret is replaced
         wherever it is first: it is the caller's own value, and hides nothing but itself."""
         if self.secrets in self.processors:
             text = self.secrets(text)
         out: list[str] = []
         done = 0
-        for start, end in pieces(text):
+        for start, end, *literal in pieces(text):
             piece = text[start:end]
-            out += [text[done:start], self.head(piece) if was_cut and end == len(text) else self._word(piece)]
+            if literal and literal[0] and redact_tokens in self.processors:
+                redacted = _literal_redacted(piece)
+            elif was_cut and end == len(text):
+                redacted = self.head(piece)
+            else:
+                redacted = self._word(piece)
+            out += [text[done:start], redacted]
             done = end
         out.append(text[done:])
         return "".join(out)

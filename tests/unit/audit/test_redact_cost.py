@@ -18,6 +18,13 @@ import sys
 SIZE = 16 * 1024
 CPU_SECONDS = 30  # every text below, linear: about seven seconds; one quadratic shape: minutes
 
+# A credential's opening, repeated: from each, a pattern scanned on for what ends its first part
+# (``--user=…``, to the text's end for the ``:`` of ``user:password``; ``eyJ-…``, for a JWT's
+# ``.``). Also read at LONG, where that work (quadratic) is many times the linear work.
+LONG = 128 * 1024
+LONG_CPU_SECONDS = 12  # the PREFIXES below, linear: about three seconds; quadratic: over a minute
+PREFIXES = ["--user=", "--user ", "-u", "-u ", "-uu:", "--user='", "eyJ-", "eyJaaaa-"]
+
 # Each repeated to SIZE, then as is, with a credential after it, or with a character that ends
 # no value (the runs of a pattern's candidates reach no end of the text, nor a match).
 # fmt: off
@@ -29,7 +36,7 @@ SHAPES = [
     "-----BEGIN", "-----BEGIN PRIVATE KEY-----", "-----BEGIN PRIVATE KEY-----\\n", "\nAAAA", " AAAA",
     "Bearer ", "Token 1", "Basic ", "a://b@", "a://b:", "a://",
     "sk-", "sk-a-", "ghp_", "xoxb-", "xoxa-a-", "AIza", "sk_live_", "glpat-", "hf_", "npm_", "AKIA",
-    "eyJ", "eyJa.", "eyJaaaa.",
+    "eyJ", "eyJa.", "eyJaaaa.", *PREFIXES,
 ]
 # fmt: on
 ENDS = ["", " password=hunter2xyz", "!"]
@@ -52,19 +59,40 @@ print("done")
 """
 
 
-def _cpu_limit() -> None:
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS))
+LONG_CHILD = """
+import sys
+from stockade.audit.redact import Redactor, ShellText
+shapes, size = eval(sys.stdin.read())
+redactor = Redactor()
+for shape in shapes:
+    text = shape * (size // len(shape)) + "!"
+    redactor.text(text)
+    redactor.text(ShellText(text))
+print("done")
+"""
+
+
+def _redacted_within(child: str, data: object, cpu_seconds: int) -> None:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+
+    done = subprocess.run(
+        [sys.executable, "-c", child],
+        input=repr(data),
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", (
+        f"the redactor spent more than {cpu_seconds} CPU seconds (or failed): {done.stderr[-2000:]}"
+    )
 
 
 def test_adversarial_texts_are_redacted_in_linear_time() -> None:
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        input=repr((SHAPES, ENDS, SIZE)),
-        capture_output=True,
-        text=True,
-        preexec_fn=_cpu_limit,
-        check=False,
-    )
-    assert child.returncode == 0 and child.stdout.strip() == "done", (
-        f"the redactor spent more than {CPU_SECONDS} CPU seconds (or failed): {child.stderr[-2000:]}"
-    )
+    _redacted_within(CHILD, (SHAPES, ENDS, SIZE), CPU_SECONDS)
+
+
+def test_a_credential_s_opening_repeated_is_redacted_in_linear_time() -> None:
+    """``--user=--user=…`` (128 KB) took minutes: every ``--user=`` began a user, read to the end."""
+    _redacted_within(LONG_CHILD, (PREFIXES, LONG), LONG_CPU_SECONDS)
