@@ -16,7 +16,9 @@ import subprocess
 import sys
 
 SIZE = 16 * 1024
-CPU_SECONDS = 30  # every text below, linear: about seven seconds; one quadratic shape: minutes
+# every text below, linear: ~20 CPU seconds on a 2-core CI host beside other tests; one quadratic
+# shape (``"a." * n`` before a name, as it was): over two minutes by itself
+CPU_SECONDS = 60
 
 # A credential's opening, repeated: from each, a pattern scanned on for what ends its first part
 # (``--user=…``, to the text's end for the ``:`` of ``user:password``; ``eyJ-…``, for a JWT's
