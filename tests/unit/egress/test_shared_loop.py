@@ -299,12 +299,18 @@ BODY = b"x" * 65536  # what ``Endless`` sends, made once: the test measures the 
 
 
 class Endless:
-    """An HTTP server whose every answer is a body of 1 GiB, sent as fast as it is taken."""
+    """An HTTP server whose every answer is a body of 1 GiB, sent as fast as it is taken, once
+    ``requests`` requests have come: a sandbox's budget spent stops its proxy reading from every
+    one of its connections, so an answer that began early could keep a later request from ever
+    reaching the server (CI 169)."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests: int) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
         self.stop = threading.Event()
+        self.expected, self.arrived = requests, 0
+        self.arrival = threading.Lock()
+        self.all_in = threading.Event()
         self.threads = [threading.Thread(target=self._serve, daemon=True)]
         self.threads[0].start()
 
@@ -325,6 +331,11 @@ class Endless:
                 if not more:
                     return
                 head += more
+            with self.arrival:
+                self.arrived += 1
+                if self.arrived >= self.expected:
+                    self.all_in.set()
+            self.all_in.wait(10)
             conn.settimeout(0.05)
             with contextlib.suppress(OSError):
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
@@ -338,6 +349,7 @@ class Endless:
 
     def close(self) -> None:
         self.stop.set()
+        self.all_in.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes its accept
         self.sock.close()
@@ -352,7 +364,7 @@ def test_answers_nobody_reads_hold_at_most_the_sandboxs_budget_all_copies_includ
     unread bytes and its paused writes only: the copies on the way between (the read passed
     on, h11's piece, the body joined) were ~0.75 MiB per connection more, 13 MiB here."""
     budget, connections = 1024 * 1024, 16
-    server = Endless()
+    server = Endless(requests=connections)
     policy = NetworkPolicy(
         allow_hosts=(f"up.test:{server.port}",), resolve={"up.test": ("127.0.0.1",)},
         allow_addresses=("127.0.0.1/32",),
