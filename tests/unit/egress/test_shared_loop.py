@@ -136,10 +136,12 @@ def test_request_heads_count_against_the_bytes_per_minute() -> None:
 # -- the memory a sandbox's connections hold -------------------------------------------------
 
 
-class Stalled:
-    """A server that sends without end and never reads (its receive buffer kept small)."""
+class Flooding:
+    """A local server that takes connections, each in a thread of its own (``_answer``), and
+    sends each without end what it was made with until stopped or closed."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: bytes) -> None:
+        self.chunk = chunk
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
         self.stop = threading.Event()
@@ -152,29 +154,41 @@ class Stalled:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            self.threads.append(threading.Thread(target=self._feed, args=(conn,), daemon=True))
+            self.threads.append(threading.Thread(target=self._answer, args=(conn,), daemon=True))
             self.threads[-1].start()
 
-    def _feed(self, conn: socket.socket) -> None:
-        chunk = b"x" * 65536
+    def _answer(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(0.05)
-            while not self.stop.is_set():
-                try:
-                    conn.send(chunk)
-                except TimeoutError:
-                    continue
-                except OSError:  # the proxy closed it
-                    return
+            self._flood(conn)
+
+    def _flood(self, conn: socket.socket) -> None:
+        conn.settimeout(0.05)
+        while not self.stop.is_set():
+            try:
+                conn.send(self.chunk)
+            except TimeoutError:
+                continue
+            except OSError:  # the proxy closed it
+                return
 
     def close(self) -> None:
         self.stop.set()
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes its accept
         self.sock.close()
         for thread in list(self.threads):
             thread.join(10)
+
+
+class Stalled(Flooding):
+    """A server that sends without end and never reads (its receive buffer kept small)."""
+
+    def __init__(self) -> None:
+        super().__init__(b"x" * 65536)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        super()._answer(conn)
 
 
 @pytest.fixture
@@ -298,30 +312,17 @@ def test_a_tunnel_whose_client_left_while_its_server_stopped_reading_gives_its_b
 BODY = b"x" * 65536  # what ``Endless`` sends, made once: the test measures the proxy's memory
 
 
-class Endless:
+class Endless(Flooding):
     """An HTTP server whose every answer is a body of 1 GiB, sent as fast as it is taken, once
     ``requests`` requests have come: a sandbox's budget spent stops its proxy reading from every
     one of its connections, so an answer that began early could keep a later request from ever
     reaching the server (CI 169)."""
 
     def __init__(self, requests: int) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.sock.getsockname()[1])
-        self.stop = threading.Event()
         self.expected, self.arrived = requests, 0
         self.arrival = threading.Lock()
         self.all_in = threading.Event()
-        self.threads = [threading.Thread(target=self._serve, daemon=True)]
-        self.threads[0].start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.threads.append(threading.Thread(target=self._answer, args=(conn,), daemon=True))
-            self.threads[-1].start()
+        super().__init__(BODY)
 
     def _answer(self, conn: socket.socket) -> None:
         with conn:
@@ -336,25 +337,13 @@ class Endless:
                 if self.arrived >= self.expected:
                     self.all_in.set()
             self.all_in.wait(10)
-            conn.settimeout(0.05)
             with contextlib.suppress(OSError):
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
-            while not self.stop.is_set():
-                try:
-                    conn.send(BODY)
-                except TimeoutError:
-                    continue
-                except OSError:  # the proxy closed it
-                    return
+            self._flood(conn)
 
     def close(self) -> None:
-        self.stop.set()
         self.all_in.set()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes its accept
-        self.sock.close()
-        for thread in list(self.threads):
-            thread.join(10)
+        super().close()
 
 
 def test_answers_nobody_reads_hold_at_most_the_sandboxs_budget_all_copies_included() -> None:
