@@ -30,7 +30,6 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -166,14 +165,18 @@ class CpuGroups:
     group, so that what it starts (bwrap, the supervisor, the command) is born there, and
     the group's usage is the start's CPU, the sandbox's own included, which the rusage of
     this process cannot see (the sandbox's processes are killed at close, never reaped by
-    us). This thread moves itself (``tasks``: no wait on the kernel's global lock)."""
+    us). Our threads move themselves (``tasks``: no wait on the kernel's global lock)."""
 
     def __init__(self, folders: dict[str, str]) -> None:
         self.folders = folders
 
     def _join(self, folder: str) -> None:
-        with open(f"{folder}/tasks", "w") as fh:
-            fh.write(str(threading.get_native_id()))
+        # Every thread of ours, not only this one: bwrap is forked by the thread that lives
+        # as long as the process (``_lasting.spawn``), born in whichever group came first; left
+        # there, it would put every later sandbox in that variant's group.
+        for thread in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"{folder}/tasks", "w") as fh:
+                fh.write(thread)  # suppress: a thread that ended meanwhile
 
     def _used(self, name: str) -> float:
         with open(f"{self.folders[name]}/cpuacct.usage") as fh:
