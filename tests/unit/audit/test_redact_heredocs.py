@@ -304,14 +304,14 @@ ADVERSARIAL = [
 def test_a_new_shape_reads_a_long_text_in_linear_time(name: str) -> None:
     patterns = (re.compile(TOKEN_PATTERNS[name]), re.compile(TAIL_PATTERNS[name]))
     for text in ADVERSARIAL:
-        started = time.perf_counter()
+        started = time.thread_time()  # this thread's CPU: a loaded host does not stretch it
         patterns[0].sub("", text)
         patterns[1].search(text)
-        assert time.perf_counter() - started < 0.1, (name, text[:20])
+        assert time.thread_time() - started < 0.1, (name, text[:20])
 
 
 def test_a_long_command_of_quoted_words_is_read_in_linear_time() -> None:
     for command in ("PASSWORD=\"a\"'b'" * 1000, "curl -u a:b " * 1300, "x=$'a'" * 2600):
-        started = time.perf_counter()
+        started = time.thread_time()
         shell(command)
-        assert time.perf_counter() - started < 0.5, command[:20]
+        assert time.thread_time() - started < 0.5, command[:20]
