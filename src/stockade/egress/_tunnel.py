@@ -14,19 +14,11 @@ import ssl
 from dataclasses import replace
 from typing import Any
 
+from stockade.egress._feed import HEAD_TIMEOUT_S, load_h11, next_event
 from stockade.egress._gate import Gate, Refused
-from stockade.egress._http import (
-    CONNECT_TIMEOUT_S,
-    HEAD_TIMEOUT_S,
-    Entry,
-    Exchange,
-    authority,
-    cut_reason,
-    denied,
-    load_h11,
-    next_event,
-    refuse,
-)
+from stockade.egress._http import CONNECT_TIMEOUT_S, Exchange
+from stockade.egress._records import Entry, cut_reason, denied, refuse
+from stockade.egress._request import authority
 from stockade.egress._rules import Verdict, ip_literal
 from stockade.egress._streams import Plain, ServerTLS, connect, within
 from stockade.egress._tls import MAX_HELLO, SandboxCA, server_name

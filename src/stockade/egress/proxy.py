@@ -30,9 +30,12 @@ was checked; SNI before any byte goes out; scrubbing), which the proxy libraries
 they bring their own event loop and dozens of dependencies into the SDK's process.
 
 Where each part lives: this module is the server (the socket, its connections, ``close``);
-``_http`` one HTTP request and its answer; ``_tunnel`` CONNECT, the TLS checks and the
-opened TLS; ``_gate`` the decisions, limits and records; ``_streams`` the byte streams;
-``_resolve`` the resolver; ``_upstream`` the connections kept to servers.
+``_http`` one HTTP request and its answer, with ``_request`` (what a request says,
+checked), ``_feed`` (the bytes given to h11 in bounded pieces), ``_scrub`` (a credential
+host's answer scrubbed) and ``_records`` (each request's record, and the proxy's refusals);
+``_tunnel`` CONNECT, the TLS checks and the opened TLS; ``_gate`` the decisions, limits and
+records; ``_streams`` the byte streams; ``_resolve`` the resolver; ``_upstream`` the
+connections kept to servers.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from stockade import _exit
+from stockade.egress._feed import load_h11
 from stockade.egress._gate import EgressObserver, Gate, Window
-from stockade.egress._http import Exchange, load_h11
+from stockade.egress._http import Exchange
 from stockade.egress._resolve import Resolver, SystemResolver
 from stockade.egress._sources import SECRETS_TIMEOUT_S, secrets_in_time
 from stockade.egress._streams import BUFFERED_LIMIT, Plain, wrap

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from stockade.egress._gate import Forms
-from stockade.egress._http import MEMBERS_PER_TURN, Decoder, Scrubber
+from stockade.egress._scrub import MEMBERS_PER_TURN, Decoder, Scrubber
 
 SECRET = b"Tok-Zq9xKp3LmW7vT2nR8sY4bQ6"
 FORMS = Forms.of([SECRET, b"Bearer " + SECRET, SECRET.hex().encode()])

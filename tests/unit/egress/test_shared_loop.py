@@ -28,7 +28,7 @@ from stockade.egress._streams import Plain
 from stockade.types import EgressRecord
 from tests.conftest import wait_for
 
-HEAD_LINES = 256  # a request head's lines at most (``_http.HEAD_LINES``)
+HEAD_LINES = 256  # a request head's lines at most (``_feed.HEAD_LINES``)
 DENIED = b"GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\n\r\n"
 
 

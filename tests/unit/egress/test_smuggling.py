@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import pytest
 
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop, _streams
-from stockade.egress._http import HEAD_LINES, INFORMATIONAL_LIMIT, PIECES_PER_TURN, load_h11
+from stockade.egress._feed import HEAD_LINES, INFORMATIONAL_LIMIT, PIECES_PER_TURN, load_h11
 from stockade.egress._streams import Plain
 from stockade.egress._upstream import UpstreamKey
 from stockade.types import EgressRecord
