@@ -187,7 +187,8 @@ def test_processes_started_together_create_the_tables_once(
     import threading
 
     from stockade.runs._db import PostgresDatabase
-    from stockade.server.state import TABLES, ServiceStore, open_database
+    from stockade.server.state.schema import TABLES, open_database
+    from stockade.server.state.store import ServiceStore
 
     service_ns = f"{run_store_target.namespace}_s"
     barrier = threading.Barrier(4)

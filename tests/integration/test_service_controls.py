@@ -19,7 +19,10 @@ import pytest
 
 from stockade.client import Client
 from stockade.distributed.tasks import make_app, send_run
-from stockade.server.state import DatabaseKillSource, RunRow, ServiceStore, open_database
+from stockade.server.state.kills import DatabaseKillSource
+from stockade.server.state.rows import RunRow
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import REDIS_URL, Server, Tokens, Worker, _env, write_tenants
 

@@ -221,7 +221,9 @@ def test_a_decision_racing_a_run_that_pauses_on_postgresql_waits_and_the_run_is_
     import psycopg
 
     from stockade.policy.approval import ApprovalRequest
-    from stockade.server.state import DatabaseApprovals, ServiceStore, open_database
+    from stockade.server.state.approvals import DatabaseApprovals
+    from stockade.server.state.schema import open_database
+    from stockade.server.state.store import ServiceStore
     from stockade.server.wakes import Wakes
 
     store = ServiceStore(open_database(postgres_url))

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from stockade.client import Client
-from stockade.server.state import RunRow, ServiceStore, open_database
+from stockade.server.state.rows import RunRow
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import REDIS_URL, Server, Tokens, Worker, write_tenants
 

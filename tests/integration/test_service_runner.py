@@ -21,7 +21,9 @@ from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.runner import Runner
-from stockade.server.state import WAITING, DatabaseApprovals, open_database
+from stockade.server.state.approvals import DatabaseApprovals
+from stockade.server.state.rows import WAITING
+from stockade.server.state.schema import open_database
 from stockade.server.tenants import Tenant
 from stockade.types import MiB
 from tests.conftest import require_tier

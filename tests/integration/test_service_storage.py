@@ -16,7 +16,8 @@ import pytest
 from stockade import exceptions as exc
 from stockade.client import Client, RemoteRun
 from stockade.runs.store import RunStore
-from stockade.server.state import ServiceStore, open_database
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server, Tokens, embedded_server, write_tenants
 

@@ -14,7 +14,8 @@ import pytest
 
 from stockade import exceptions as exc
 from stockade.runs._db import Database
-from stockade.server.state import TABLES, ServiceStore, open_database
+from stockade.server.state.schema import TABLES, open_database
+from stockade.server.state.store import ServiceStore
 from tests.conftest import require
 from tests.integration.run_stores import POSTGRES_URL, postgres_reachable
 

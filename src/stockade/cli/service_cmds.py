@@ -16,7 +16,7 @@ from stockade._state import sqlite_path
 from stockade.cli._console import CliConsole, escape, print_json
 
 if TYPE_CHECKING:
-    from stockade.server.state import ServiceStore
+    from stockade.server.state.store import ServiceStore
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -294,7 +294,8 @@ TenantOption = Annotated[
 def _service_store(db: str) -> ServiceStore:
     """The service's tables in ``db``, which must exist: a mistyped path is refused, not made
     (an empty database, and its folders, reported as a tenant without workspaces)."""
-    from stockade.server.state import ServiceStore, open_database
+    from stockade.server.state.schema import open_database
+    from stockade.server.state.store import ServiceStore
 
     path = sqlite_path(db)
     if path is not None and not path.is_file():

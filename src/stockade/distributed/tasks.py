@@ -15,7 +15,8 @@ from stockade import exceptions as exc
 from stockade.server.context import ServiceConfig
 from stockade.server.executor import QUOTA_POLL_S
 from stockade.server.runner import Runner
-from stockade.server.state import ServiceStore, open_database
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.wakes import Waker, Wakes
 
 __all__ = ["RUN_TASK", "configure", "make_app", "send_run", "start_waker"]

@@ -390,7 +390,7 @@ def kill_source_for(target: str | None) -> KillSource:
     if target and target.startswith(_DATABASE_URLS):
         # the service's tables are the server's business: imported only for such a target, so
         # the runtime layer depends on nothing above it
-        state = importlib.import_module("stockade.server.state")
+        state = importlib.import_module("stockade.server.state.kills")
         source: KillSource = state.database_kill_source(target)
         return source
     return FileKillSource(target)

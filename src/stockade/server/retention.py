@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
-from stockade.server.state import TERMINAL, RunRow
+from stockade.server.state.rows import TERMINAL, RunRow
 from stockade.server.tenants import Tenant
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from stockade import exceptions as exc
 from stockade.server import problems
 from stockade.server.deps import HOP_HEADER
 from stockade.server.schemas import SandboxOut
-from stockade.server.state import Node
+from stockade.server.state.rows import Node
 from stockade.server.tenants import Principal
 
 if TYPE_CHECKING:

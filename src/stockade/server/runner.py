@@ -57,17 +57,11 @@ from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, gave
 from stockade.server.schemas import RunSubmit
 from stockade.server.scratch import collect as collect_scratch
 from stockade.server.scratch import scratch
-from stockade.server.state import (
-    HELD,
-    STARTABLE,
-    TERMINAL,
-    WAITING,
-    DatabaseApprovals,
-    DatabaseKillSource,
-    RunRow,
-    ServiceStore,
-    open_database,
-)
+from stockade.server.state.approvals import DatabaseApprovals
+from stockade.server.state.kills import DatabaseKillSource
+from stockade.server.state.rows import HELD, STARTABLE, TERMINAL, WAITING, RunRow
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Tenant, check_share
 from stockade.server.wakes import Wakes
 from stockade.tools.base import Toolset

@@ -64,7 +64,7 @@ from stockade.server.schemas import (
 )
 from stockade.server.scratch import scratch
 from stockade.server.service import Service
-from stockade.server.state import TERMINAL, WAITING, RunRow
+from stockade.server.state.rows import TERMINAL, WAITING, RunRow
 from stockade.server.streams import HeldStream
 from stockade.server.tenants import Principal, check_share
 from stockade.server.uploads import unpack_within

@@ -81,7 +81,7 @@ from stockade.server.schemas import (
 )
 from stockade.server.scratch import scratch
 from stockade.server.snapshots import by_role, snapshot_out
-from stockade.server.state import Node, Placement
+from stockade.server.state.rows import Node, Placement
 from stockade.server.streamed import streamed
 from stockade.server.tenants import Principal, Tenant, check_output_bytes, check_weaker
 from stockade.server.uploads import unpack_within

@@ -18,7 +18,10 @@ from stockade.server.retention import Retention
 from stockade.server.runner import Runner
 from stockade.server.sandboxes import SandboxRegistry
 from stockade.server.snapshots import TenantSnapshots
-from stockade.server.state import DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
+from stockade.server.state.approvals import DatabaseApprovals
+from stockade.server.state.kills import DatabaseKillSource
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.streams import StreamSlots
 from stockade.server.tenants import Tenants
 

@@ -89,7 +89,7 @@ def wake_statement(ns: str, run_id: str, at_ns: int) -> Statement:
 
 
 class Wakes:
-    """The ``<ns>_wakes`` rows (the table is made with the service's others, ``state.py``)."""
+    """The ``<ns>_wakes`` rows (the table is made with the service's others, ``state/schema.py``)."""
 
     def __init__(self, db: Database, *, namespace: str = "svc", runs_namespace: str = "runs") -> None:
         self.db = db

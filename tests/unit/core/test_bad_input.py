@@ -174,7 +174,8 @@ def test_workspaces_of_a_database_that_does_not_exist_are_refused_and_nothing_is
 
 def test_a_tenant_of_bytes_that_are_no_utf8_is_refused_by_name(tmp_path: Path) -> None:
     """A shell passes ``$'a\\xff'`` as a lone surrogate: it raised UnicodeEncodeError."""
-    from stockade.server.state import ServiceStore, open_database
+    from stockade.server.state.schema import open_database
+    from stockade.server.state.store import ServiceStore
 
     ServiceStore(open_database(str(tmp_path / "service.db"))).close()
     result = CliRunner().invoke(

@@ -22,7 +22,9 @@ from stockade.exceptions import (
     PolicyDenied,
 )
 from stockade.policy.approval import SPENT, ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Choice
-from stockade.server.state import DatabaseApprovals, ServiceStore, open_database
+from stockade.server.state.approvals import DatabaseApprovals
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 
 PUSH = ApprovalRequest(
     run_id="run-1", action="run `git push origin main`", rule="git push", reason="publishes"

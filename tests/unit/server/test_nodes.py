@@ -16,7 +16,8 @@ from stockade.runs.lease import owner_token
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
-from stockade.server.state import ServiceStore, open_database
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
 from tests.conftest import in_forked_child
 

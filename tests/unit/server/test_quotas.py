@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
-from stockade.server.state import ServiceStore, open_database
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Quotas
 
 QUOTAS = Quotas(sandboxes=3, cpus=2.0, memory_mb=1024)

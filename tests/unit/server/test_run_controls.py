@@ -35,7 +35,9 @@ from stockade.server.context import ServiceConfig
 from stockade.server.runs import PENDING_SHOWN
 from stockade.server.schemas import RunSubmit
 from stockade.server.service import Service
-from stockade.server.state import DatabaseKillSource, RunRow, ServiceStore
+from stockade.server.state.kills import DatabaseKillSource
+from stockade.server.state.rows import RunRow
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Tenant, Tenants, new_token, parse_token
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import Toolset, shell

@@ -16,7 +16,8 @@ from stockade.agent.state import RunState
 from stockade.models.messages import UserMessage
 from stockade.runs.store import RunStore
 from stockade.server.context import ServiceConfig
-from stockade.server.state import ServiceStore, open_database
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Tenants
 from stockade.types import MiB
 

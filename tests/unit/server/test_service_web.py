@@ -26,7 +26,8 @@ from stockade.exceptions import AuthenticationError
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
-from stockade.server.state import ServiceStore, open_database
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Tenant, Tenants, new_token
 from stockade.server.viewer.sessions import Sessions
 from tests.conftest import wait_for

@@ -14,7 +14,8 @@ import pytest
 from stockade import exceptions as exc
 from stockade.runs.lease import LEASE_S, owner_token
 from stockade.runs.store import RunStore
-from stockade.server.state import ServiceStore, open_database
+from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.wakes import LEASE_GRACE_S, RESEND_S, START_GRACE_S, Waker, Wakes
 from tests.conftest import in_forked_child
 

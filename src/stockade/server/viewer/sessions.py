@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from stockade import exceptions as exc
-from stockade.server.state import ServiceStore
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Principal, Tenants, TenantsFile
 
 __all__ = ["SESSION_S", "Session", "Sessions"]
