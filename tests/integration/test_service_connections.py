@@ -11,7 +11,9 @@ the real server (uvicorn) on a real socket, its limits made short by its options
   others are gone.
 * Requests pipelined on one connection whose answers are never read wait in the client's own
   socket: the server reads only ~64 KiB ahead of the request it answers (it took 855 MiB of them
-  in 15 s, held until the connection closed)."""
+  in 15 s, held until the connection closed).
+* A token a client puts in a request's query is never written to the access log (``GET
+  /ui/login?key=stk_...`` was answered 200, and its line logged the token whole)."""
 
 from __future__ import annotations
 
@@ -248,3 +250,17 @@ def test_requests_pipelined_without_reading_the_answers_are_not_read_ahead_witho
         # meanwhile, another connection is answered
         other = httpx2.get(server.url + "/v1/workspaces", headers={"Authorization": f"Bearer {tokens.acme}"})
         assert other.status_code == 200
+
+
+def test_a_token_in_a_query_is_never_written_to_the_access_log(service: tuple[Server, Tokens]) -> None:
+    server, tokens = service
+    with httpx2.Client(base_url=server.url, timeout=10) as client:
+        assert client.get("/ui/login", params={"key": tokens.acme}).status_code == 200
+        listed = client.get("/v1/runs", params={"limit": 5, "access_token": tokens.other},
+                            headers={"Authorization": f"Bearer {tokens.acme}"})  # fmt: skip
+        assert listed.status_code == 200
+    wait_for(lambda: '"GET /v1/runs?limit=...&access_token=... HTTP/1.1" 200' in server.output(),
+             what="the access lines")  # fmt: skip
+    assert '"GET /ui/login?key=... HTTP/1.1" 200' in server.output()
+    secrets = [token.rpartition("_")[2] for token in (tokens.acme, tokens.other)]
+    assert not [secret for secret in secrets if secret in server.output()]

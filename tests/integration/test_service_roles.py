@@ -4,7 +4,8 @@ policy keeps a data class (``records/**``) to role ``admin``; a ``dev`` token fi
 what an admin token made (404 on every route, as for another tenant's ids), while a second
 token of role ``admin`` uses it all, and the audit trail names the token of each call. A role's
 ``tools`` hold over the sandbox API: each call is refused (403) where the tool it amounts to is
-not the role's."""
+not the role's; and over a run's acceptance check, the caller's command, judged as the sandbox
+API's ``/commands`` judges one (tenant ``locked``'s policy denies ``execute``)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ tiers = ["process"]
 tools = ["search_web"]
 """
 
+LOCKED_POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["scripted:*"]
+[decisions]
+deny = ["execute"]
+[roles.dev]
+tiers = ["process"]
+"""
+
 
 @dataclass(frozen=True)
 class Acme:
@@ -75,6 +88,7 @@ class Acme:
     reader: str  # tools: read_file, list_files
     coder: str  # tools: read_file, run_code
     searcher: str  # a tool of its own, none a sandbox's call amounts to
+    locked: str  # of tenant locked, whose policy denies execute
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +98,21 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     require_tier("process")
     folder = tmp_path_factory.mktemp("roles")
     (folder / "policy.toml").write_text(POLICY)
+    (folder / "locked.toml").write_text(LOCKED_POLICY)
     admin, admin_record = new_token("acme", "admin")
     second, second_record = new_token("acme", "admin")
     dev, dev_record = new_token("acme", "dev")
     reader, reader_record = new_token("acme", "reader")
     coder, coder_record = new_token("acme", "coder")
     searcher, searcher_record = new_token("acme", "searcher")
-    records = (admin_record, second_record, dev_record, reader_record, coder_record, searcher_record)
+    locked, locked_record = new_token("locked", "dev")
+    records = (
+        admin_record, second_record, dev_record, reader_record, coder_record, searcher_record, locked_record,
+    )  # fmt: skip
     empty = Tenants(tenants={}, tokens={})
     (folder / "tenants.toml").write_text(
         '[tenants.acme]\npolicy = "policy.toml"\nsandboxes = 4\ncpus = 4\nmemory_mb = 4096\n\n'
-        + "\n".join(empty.toml_lines(r) for r in records)
+        '[tenants.locked]\npolicy = "locked.toml"\n\n' + "\n".join(empty.toml_lines(r) for r in records)
     )
     server = Server(
         folder / "tenants.toml", f"sqlite:///{folder / 'service.db'}", folder,
@@ -102,8 +120,9 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     )  # fmt: skip
     try:
         yield Acme(
-            server, folder, admin, admin_record.id, second, second_record.id, dev, reader, coder, searcher
-        )
+            server, folder, admin, admin_record.id, second, second_record.id, dev, reader, coder, searcher,
+            locked,
+        )  # fmt: skip
     finally:
         server.stop()
     assert server.proc.returncode in (0, -15), server.output()[-3000:]
@@ -490,3 +509,54 @@ def test_a_role_with_no_tool_a_sandbox_serves_creates_none(acme: Acme) -> None:
             RemoteSandbox.create("process", limits=LIMITS, client=searcher)
         assert denied.value.rule == "roles.searcher.tools"
         assert searcher.sandboxes() == []  # nothing started, nothing held against the quota
+
+
+def test_a_role_that_may_run_no_command_submits_no_run_with_an_acceptance_check(acme: Acme) -> None:
+    """A run's check is the caller's shell line, run in the run's sandbox: a role of read tools,
+    refused ``/commands`` and ``/code``, ran any code as a check before (its files in the run's
+    diff and artifacts)."""
+    with Client(acme.server.url, acme.reader) as reader:
+        before = [r.id for r in reader.runs.list()]
+        with pytest.raises(exc.PolicyDenied) as denied:
+            reader.runs.submit("look around", scripted=["looked"], check="echo PWNED > pwned.txt")
+        assert denied.value.rule == "roles.reader.tools"
+        assert "'shell', which the run's acceptance check (a command) amounts to" in str(denied.value)
+        assert [r.id for r in reader.runs.list()] == before  # nothing queued, nothing ran
+        # without a check, the role's run reads as before
+        assert reader.runs.submit("look around", scripted=["looked"]).wait().status == "success"
+
+
+def test_a_tenant_whose_policy_denies_execute_runs_no_acceptance_check(acme: Acme) -> None:
+    with Client(acme.server.url, acme.locked) as locked:
+        with pytest.raises(exc.PolicyDenied) as denied:
+            locked.runs.submit("t", scripted=["done"], check="id")
+        assert denied.value.rule == "decisions.deny: execute"
+        assert locked.runs.list() == []
+
+
+def test_an_acceptance_check_is_judged_as_the_same_command_through_the_sandbox_api(acme: Acme) -> None:
+    """The role's command rules over the check's line, in the words ``/commands`` has for it: the
+    policy asks an approval for ``rm -r``, which no one can give there, nor for a check."""
+    line = "rm -r build"
+    with (
+        Client(acme.server.url, acme.dev) as dev,
+        RemoteSandbox.create("process", limits=LIMITS, client=dev) as sbx,
+    ):
+        with pytest.raises(exc.PolicyDenied) as through_the_api:
+            sbx.commands.run(line)
+        before = [r.id for r in dev.runs.list()]
+        with pytest.raises(exc.PolicyDenied) as as_a_check:
+            dev.runs.submit("t", scripted=["done"], check=line)
+        assert (as_a_check.value.rule, str(as_a_check.value)) == (
+            through_the_api.value.rule,
+            str(through_the_api.value),
+        )
+        assert [r.id for r in dev.runs.list()] == before
+
+
+def test_a_role_that_may_run_commands_runs_its_acceptance_check(acme: Acme) -> None:
+    with Client(acme.server.url, acme.dev) as dev:
+        run = dev.runs.submit("t", scripted=["done"], check="echo checked > checked.txt")
+        assert run.wait().status == "success"
+        assert "+checked" in run.diff()
+        run.delete()

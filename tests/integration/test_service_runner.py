@@ -3,13 +3,14 @@ broker's second copy, or a waker's send of a run whose first worker was slow to 
 leave the run to the process that holds it; a copy of a paused or broken run's message leaves it
 waiting for a person; a run whose worker died after its end was recorded still gets its
 artifacts. And a run that cannot go on as it was left: its approvals decided before it had
-paused, its tenant's quota cut below its sandbox while it waited."""
+paused, its tenant's quota cut below its sandbox while it waited, its acceptance check no longer
+its role's to run."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from stockade import exceptions as exc
 from stockade.assembly import AgentSession
 from stockade.audit.events import EventKind
 from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.policy.schema import Decisions
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.runner import Runner
@@ -259,6 +261,55 @@ def test_a_run_whose_approvals_were_decided_while_it_paused_is_queued_and_goes_o
     assert runner.store.holds("acme") == []
     assert runner.execute("r1", _acme(runner)).status == "success"
     assert _called(runner, "r1") == ["run_code"]
+
+
+def _with_policy(tenant: Tenant, **changes: object) -> Tenant:
+    """``tenant`` as its tenants file says once its policy was changed so."""
+    return dataclasses.replace(tenant, policy=tenant.policy.model_copy(update=changes))
+
+
+def _denials(runner: Runner, run_id: str) -> list[Mapping[str, object]]:
+    trail = runner.audit.get(_acme(runner))
+    trail.flush()
+    return [e.attributes for e in trail.store.events(run_id=run_id) if e.kind is EventKind.POLICY_DECISION]
+
+
+def test_a_run_whose_check_its_tenants_policy_came_to_deny_ends_denied_before_its_sandbox(
+    runner: Runner,
+) -> None:
+    """The check was judged when the run was submitted; the policy changed in the tenants file
+    while it waited. Before, the worker ran it all the same, outside the policy's guards."""
+    _submit(runner, "r1", ["done"], check="echo PWNED > pwned.txt")
+    locked = _with_policy(_acme(runner), decisions=Decisions(deny=("execute",)))
+    outcome = runner.execute("r1", locked)
+    assert outcome.status == "denied", outcome
+    assert outcome.error is not None and "execute is denied" in outcome.error, outcome
+    row = runner.store.run("r1")
+    assert row is not None and (row.status, row.attempts) == ("denied", 0), row
+    assert sandboxes_started(runner, "r1") == 0 and runner.store.holds("acme") == []
+    [denial] = _denials(runner, "r1")
+    assert (denial["level"], denial["rule"]) == ("check", "decisions.deny: execute"), denial
+
+
+def test_a_paused_run_whose_role_lost_its_command_tool_resumes_to_denied_its_check_not_run(
+    runner: Runner,
+) -> None:
+    needs_approval = {"name": "run_code", "args": {"code": "rm -r nothing || true", "language": "bash"}}
+    _submit(runner, "r1", [needs_approval, "done"], check="echo PWNED > pwned.txt")
+    assert runner.execute("r1", _acme(runner)).status == "paused"
+    [request] = runner.approvals.pending("r1")
+    runner.approvals.decide("r1", request["id"], Choice.APPROVED, by="test")
+    assert runner.store.set_status("r1", "queued", only_from=("paused",))
+    acme = _acme(runner)
+    reader = acme.policy.roles["dev"].model_copy(update={"tools": ("read_file", "list_files")})
+    outcome = runner.execute("r1", _with_policy(acme, roles={**acme.policy.roles, "dev": reader}))
+    assert outcome.status == "denied", outcome
+    assert outcome.error is not None and "may not use the tool 'shell'" in outcome.error, outcome
+    row = runner.store.run("r1")
+    assert row is not None and (row.status, row.attempts) == ("denied", 1), row
+    state = runner.runs.load("r1")
+    assert state is not None and state.checks == []  # its check never ran
+    assert [d["rule"] for d in _denials(runner, "r1")] == ["roles.dev.tools"]
 
 
 def test_a_run_whose_tenants_quota_was_cut_below_its_sandbox_ends_error_saying_so(runner: Runner) -> None:

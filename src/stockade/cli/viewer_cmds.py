@@ -42,6 +42,7 @@ def ui(
     only, behind a key printed at start."""
     import uvicorn
 
+    from stockade.server.serving import log_config
     from stockade.server.viewer.data import LocalRuns
     from stockade.server.viewer.web import local_app
 
@@ -59,7 +60,10 @@ def ui(
     key = secrets.token_urlsafe(24)
     err.print(f"stockade ui: open http://{HOST}:{port}/ui/login?key={key}")
     try:
-        uvicorn.run(local_app(source, key), host=HOST, port=port, log_level="warning")
+        # its key comes in the login's query: never in an access line, whatever the level
+        uvicorn.run(
+            local_app(source, key), host=HOST, port=port, log_level="warning", log_config=log_config()
+        )
     finally:
         source.close()
 

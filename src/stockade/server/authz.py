@@ -14,13 +14,16 @@ import ipaddress
 from stockade import exceptions as exc
 from stockade.egress._rules import Judge, ip_literal
 from stockade.policy.engine import PolicyEngine
+from stockade.policy.guards import OpContext, op_policy_guard
 from stockade.policy.schema import Policy, Verdict
 from stockade.sandbox.base import Backend
+from stockade.sandbox.ops import RunCommand
 from stockade.server.tenants import Principal
 from stockade.types import NetworkPolicy, Trust
 
 __all__ = [
     "SANDBOX_TOOLS",
+    "check_acceptance_check",
     "check_approver",
     "check_model",
     "check_network",
@@ -247,12 +250,27 @@ def check_model(engine: PolicyEngine, name: str, provider: str = "") -> None:
 def check_sandbox_tool(principal: Principal, call: str) -> None:
     """``PolicyDenied`` (403) unless the principal's role may use the tool the sandbox API's
     ``call`` amounts to (``SANDBOX_TOOLS``)."""
+    _check_tool(engine_for(principal), call)
+
+
+def _check_tool(engine: PolicyEngine, call: str, *, what: str = "") -> None:
     tool, doing = SANDBOX_TOOLS[call]
-    decision = engine_for(principal).tool(tool)
+    decision = engine.tool(tool)
     if decision.verdict is Verdict.DENY:  # one to approve is the op guard's to ask, per op
         raise exc.PolicyDenied(
-            f"{decision.reason}, which {doing} amounts to", rule=decision.rule, action=doing
+            f"{decision.reason}, which {what or doing} amounts to", rule=decision.rule, action=doing
         )
+
+
+def check_acceptance_check(engine: PolicyEngine, command: str) -> None:
+    """``PolicyDenied`` (403) unless the role may run ``command`` as a run's acceptance check.
+    The check is the caller's shell line, run in the run's sandbox outside the model's guards
+    (its own records' view): it is judged as the caller running it through ``POST .../commands``
+    would be, the role's command tool, then the policy's rules over the op (its command rules,
+    its paths, ``execute`` and the other categories). An op that needs approval is refused as
+    there: no one is asked for a check. Before, a role of read tools ran any code this way."""
+    _check_tool(engine, "command", what="the run's acceptance check (a command)")
+    op_policy_guard(engine)(OpContext(role=engine.role_name), RunCommand(argv=("/bin/sh", "-c", command)))
 
 
 def check_sandbox_tools(engine: PolicyEngine) -> None:

@@ -830,10 +830,11 @@ def serve_http(
     import uvicorn
 
     from stockade.server.connections import ConnectionLimits, guarded_protocol
+    from stockade.server.serving import log_config
 
     limits = (connections or ConnectionLimits()).fitted()
     app = http_app(face, host=host, token=token, max_sessions=max_sessions, allowed_origins=allowed_origins)
     uvicorn.run(
-        app, host=host, port=port, log_level=log_level,
+        app, host=host, port=port, log_level=log_level, log_config=log_config(),
         http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_s,
     )  # fmt: skip

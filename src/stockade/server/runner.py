@@ -49,10 +49,12 @@ from stockade.audit.events import EventKind
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel
+from stockade.policy.engine import PolicyEngine
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.snapshots import release_run_snapshots
 from stockade.runs.store import RunStore
 from stockade.runtime.events import LimitHit, RuntimeEvent
+from stockade.server.authz import check_acceptance_check
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, gave_up
 from stockade.server.schemas import RunSubmit
 from stockade.server.scratch import collect as collect_scratch
@@ -326,7 +328,7 @@ class Runner:
         if share is None:  # the first time this process sees it: the spec gives the share
             prepared = self._prepare(run_id, row, tenant, deferral)
             if prepared is None:
-                return RunOutcome(run_id=run_id, status="error", error=self._error(run_id))
+                return self._as_stored(run_id)
             share = prepared[1].sandbox_limits or Limits()
             self._remember_share(run_id, share)
         with contextlib.ExitStack() as lease:  # the run store's, taken in _start before the sandbox
@@ -337,7 +339,7 @@ class Runner:
                 return ended
             prepared = prepared or self._prepare(run_id, row, tenant, deferral)
             if prepared is None:
-                return RunOutcome(run_id=run_id, status="error", error=self._error(run_id))
+                return self._as_stored(run_id)
             return self._drive(run_id, tenant, *prepared, resume=resume, deferral=deferral)
 
     def _drive(
@@ -410,9 +412,11 @@ class Runner:
         self, run_id: str, row: RunRow, tenant: Tenant, deferral: _Deferral
     ) -> tuple[RunSubmit, AgentConfig] | None:
         """The run's spec and its agent's configuration; None when they are wrong (the run
-        ended "error", saying why)."""
+        ended "error", saying why) or its check is no longer its role's to run ("denied")."""
         try:
             spec = RunSubmit.model_validate(self.store.run_spec(run_id) or {})
+            if not self._check_allowed(run_id, row, tenant, spec.check):
+                return None
             limits = spec.sandbox_limits.build() if spec.sandbox_limits is not None else None
             config = AgentConfig(
                 model=build_model(spec),
@@ -449,9 +453,33 @@ class Runner:
             return None
         return spec, config
 
-    def _error(self, run_id: str) -> str | None:
-        row = self.store.run_head(run_id)
-        return row.error if row is not None else None
+    def _check_allowed(self, run_id: str, row: RunRow, tenant: Tenant, check: str | None) -> bool:
+        """Whether the run's acceptance check is still its role's to run. It was judged when the
+        run was submitted; judged again with the tenant's policy as it is now, a role that lost
+        its command tool meanwhile runs no check when its run starts or resumes. Not: the run
+        ends "denied", in its tenant's audit trail too."""
+        if check is None:
+            return True
+        try:
+            check_acceptance_check(PolicyEngine(tenant.policy, role=row.role), check)
+        except exc.PolicyDenied as denied:
+            self._deny(run_id, tenant, denied)
+            return False
+        return True
+
+    def _deny(self, run_id: str, tenant: Tenant, denied: exc.PolicyDenied) -> None:
+        if not self.store.set_status(
+            run_id, "denied", error=described(denied), only_from=[*WAITING, "running"]
+        ):
+            return
+        trail = self.audit.get(tenant)
+        trail.continue_sealing(run_id)
+        trail.record(
+            EventKind.POLICY_DECISION, run_id=run_id, actor="policy",
+            attributes={"decision": "deny", "level": "check", "rule": denied.rule, "reason": str(denied),
+                        "action": denied.action},
+        )  # fmt: skip
+        trail.flush()
 
     def _as_stored(self, run_id: str) -> RunOutcome:
         """The run as its row says now (what another writer, a kill, left there)."""

@@ -44,7 +44,7 @@ from stockade.audit.verify import RunsLedger, verify
 from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all
-from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
+from stockade.server.authz import check_acceptance_check, check_approver, check_model, choose_tier, engine_for
 from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.held import HeldResponse, held_bytes, unpacking
@@ -208,12 +208,15 @@ async def delete_workspace(workspace_id: str, request: Request, caller: Caller) 
 
 
 def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
-    """What the role allows, asked before the run is queued: the model, the tier, the workspace;
-    and the run's limits, as its start would take them."""
+    """What the role allows, asked before the run is queued: the model, the tier, the workspace,
+    the acceptance check (as the role running it through the sandbox API); and the run's limits,
+    as its start would take them."""
     run_limits(body)
     engine = engine_for(caller, body.trust)
     model = build_model(body)  # a model spec that cannot be resolved fails here, not on a worker
     check_model(engine, model.name, model.provider)
+    if body.check is not None:
+        check_acceptance_check(engine, body.check)
     if body.tier is not None:
         choose_tier(engine, body.tier)
     elif not engine.allowed_tiers():
