@@ -78,7 +78,6 @@ __all__ = ["ProcessBackend"]
 
 OWNER_FILE = "owner"  # a run folder's claim (_host.claim_folder): its text is "pid start-time"
 OWNERLESS_GRACE_S = 60.0  # a previous version's creator writes its owner just after the folder
-MASKS_FILE = "masks"  # the masked copies a sandbox binds (_rules.mask_binds), one per line
 # Imported, not run as a script: only imported modules are loaded from their bytecode.
 SUPERVISOR_BOOT = "import sys; sys.path.insert(0, '/opt/stockade'); import supervisor; supervisor.main()"
 
@@ -489,11 +488,13 @@ class ProcessBackend(Backend):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _mask_options(self, root: Path, masks: tuple[str, ...], rundir: Path) -> list[str]:
-        cache = _rules.MaskCache(_rules.masked_folders(), functools.partial(masks_in_use, self.state_dir))
+        cache = _rules.MaskCache(
+            _rules.masked_folders(), functools.partial(_rules.masks_in_use, self.state_dir)
+        )
         binds = _rules.mask_binds(root, masks, cache if self.is_root else None)
         copies = [source for source, _ in binds if source != "/dev/null"]
         if copies:  # the copies this sandbox binds: garbage collection keeps them
-            _write_new(rundir / MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
+            _write_new(rundir / _rules.MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
         return [option for source, path in binds for option in ("--ro-bind", source, path)]
 
     def _bwrap_options(
@@ -1177,28 +1178,15 @@ def _abandoned(rundir: Path, grace_s: float) -> bool:
         return False
 
 
-def masks_in_use(state_dir: Path) -> set[str]:
-    """The masked copies the sandboxes of ``state_dir`` bind (the ones gone too, until
-    ``collect_garbage`` removes their folders)."""
-    in_use: set[str] = set()
-    for rundir in state_dir.glob("sbx-*"):
-        with contextlib.suppress(OSError):
-            in_use.update((rundir / MASKS_FILE).read_text().split())
-    return in_use
-
-
 def collect_garbage(state_dir: Path | None = None) -> list[str]:
     """Remove sandboxes (mounts, run folders, cgroups) whose creating process is gone."""
     base = state_dir or _default_state_dir(os.geteuid() == 0)
     removed: list[str] = []
-    in_use: set[str] = set()
     dead: set[str] = set()
     if base.is_dir():
         collect_staging(base)  # a crash before its rename: no mounts yet
         for rundir in sorted(base.glob("sbx-*")):
             if not _abandoned(rundir, OWNERLESS_GRACE_S):
-                with contextlib.suppress(OSError):
-                    in_use.update((rundir / MASKS_FILE).read_text().split())
                 continue
             dead.add(rundir.name)
             for name in ("workspace", "tmp", "shm"):
@@ -1209,5 +1197,6 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
         removed += _builds.collect(base)  # after the dead sandboxes' folders: what they used may go
     removed += _cgroups.collect("sbx-", lambda name: (base / name).exists(), dead.__contains__)
     if os.geteuid() == 0:
-        removed += _rules.collect_masked(_rules.masked_folders(), in_use)
+        # what the live sandboxes of every tier bind (the dead process ones' folders are gone)
+        removed += _rules.collect_masked(_rules.masked_folders(), _rules.masks_in_use(base))
     return removed
