@@ -1194,6 +1194,32 @@ def test_gvisor_holds_the_masks_and_with_consent_judges_the_rest_on_tool_calls_o
         assert "Linux" not in sbx.commands.run("uname; /usr/bin/uname").stdout
 
 
+def test_gvisor_starts_under_an_allowlist_and_runs_only_what_it_lists() -> None:
+    # gVisor ignores masked paths: the ~300 programs an allowlist masks are bound over, and one
+    # bind each failed runsc's start; their folders are masked copies, bound once each
+    require_tier("gvisor")
+    rules = SandboxRules(allow=("ls", "python3"))
+    with Sandbox.create("gvisor", limits=LIMITS, rules=rules, allow_weaker=True) as sbx:
+        assert sbx.commands.run(["ls", "/workspace"]).exit_code == 0
+        assert sbx.commands.run(["python3", "-c", "print('listed')"]).stdout == "listed\n"
+        for unlisted in ("uname", "/usr/bin/id", "cat", "/usr/sbin/nologin"):  # next to ls and python3
+            assert sbx.commands.run([unlisted]).exit_code in (126, 127), unlisted
+        assert "Linux" not in sbx.commands.run("/lib64/ld-linux-x86-64.so.2 /usr/bin/uname").stdout
+        read = sbx.commands.run(["python3", "-c", "open('/usr/bin/uname', 'rb').read()"])
+        assert "PermissionError" in read.stderr  # nothing to copy and run either
+
+
+def test_gvisor_starts_under_a_long_deny_list() -> None:
+    require_tier("gvisor")
+    with Sandbox.create("gvisor", limits=LIMITS) as sbx:
+        programs = sbx.commands.run(["ls", "/usr/bin"]).stdout.split()
+    kept = {"ls", "sh", "dash", "bash", "env"}
+    denied = ["uname", *[p for p in programs if p not in kept and not p.startswith("python")][:149]]
+    with Sandbox.create("gvisor", limits=LIMITS, rules=SandboxRules(deny=tuple(denied))) as sbx:
+        assert sbx.commands.run(["ls", "/workspace"]).exit_code == 0
+        assert "Linux" not in sbx.commands.run("uname; /usr/bin/uname").stdout
+
+
 # -- any policy, any route -------------------------------------------------------------------
 
 PROGRAMS = {"uname": "Linux", "id": "uid=", "arch": "x86_64"}

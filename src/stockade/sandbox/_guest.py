@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import os
 import resource
@@ -23,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _builds, _host, _trusted
+from stockade.sandbox import _builds, _host, _rules, _trusted
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary
@@ -280,6 +281,27 @@ def unreadable_file(state_dir: Path) -> Path:
     return path
 
 
+def mask_binds(
+    masks: tuple[str, ...], *, root: Path | None, state_dir: Path, rundir: Path | None
+) -> list[tuple[str, str]]:
+    """What a gVisor sandbox binds over its masked programs, as its kernel ignores masked
+    paths (``_rules.own_kernel_binds``): an empty file only root may read over each, or
+    masked copies of their folders, made (as root) of the image's files on this host at
+    ``root``. ``rundir``, the sandbox's run folder, lists the copies: garbage collection
+    keeps them while it is there."""
+    if not masks:
+        return []
+    cover = str(unreadable_file(state_dir))
+    cache = None
+    if root is not None and rundir is not None and os.geteuid() == 0:
+        cache = _rules.MaskCache(_rules.masked_folders(), functools.partial(_rules.masks_in_use, state_dir))
+    binds = _rules.own_kernel_binds(root, masks, cover, cache)
+    copies = [source for source, _ in binds if source != cover]
+    if copies and rundir is not None:
+        (rundir / _rules.MASKS_FILE).write_text("".join(f"{copy}\n" for copy in copies))
+    return binds
+
+
 def mount_tmpfs(
     target: Path, *, size: int, inodes: int, mode: int, uid: int = SANDBOX_UID, noexec: bool = False
 ) -> None:
@@ -441,9 +463,11 @@ def oci_config(
     cgroup: str,
     annotations: dict[str, str],
     host: OwnKernelLimits,
-    masks: Sequence[str] = (),
+    mask_binds: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
-    """The ``config.json`` of a bundle: the same limits Docker applies to its containers."""
+    """The ``config.json`` of a bundle: the same limits Docker applies to its containers.
+    ``mask_binds``: (host source, inside path) bound read-only over the masked programs, as
+    gVisor does not apply maskedPaths (``_rules.own_kernel_binds``)."""
     limits = spec.limits
     period = 100_000
     mounts: list[dict[str, Any]] = [
@@ -465,10 +489,8 @@ def oci_config(
                 "options": ["rbind", "ro" if target == EGRESS_DIR else "rw", "nosuid", "nodev"],
             }
         )
-    if masks:  # gVisor does not apply maskedPaths: an empty file no one may read instead
-        empty = str(unreadable_file(default_state_dir()))
-        for path in masks:
-            mounts.append({"destination": path, "type": "bind", "source": empty, "options": ["bind", "ro"]})
+    for cover, inside in mask_binds:
+        mounts.append({"destination": inside, "type": "bind", "source": cover, "options": ["bind", "ro"]})
     return {
         "ociVersion": "1.0.2",
         "process": {

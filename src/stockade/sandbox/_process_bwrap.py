@@ -19,7 +19,6 @@ from pathlib import Path
 
 from stockade.sandbox import _rules
 from stockade.sandbox._hostinfo import bwrap_masks
-from stockade.sandbox._process_rundirs import MASKS_FILE, masks_in_use
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.base import SandboxSpec
 
@@ -152,11 +151,11 @@ def build_shared(
 def mask_options(
     root: Path, masks: tuple[str, ...], rundir: Path, *, state_dir: Path, is_root: bool
 ) -> list[str]:
-    cache = _rules.MaskCache(_rules.masked_folders(), functools.partial(masks_in_use, state_dir))
+    cache = _rules.MaskCache(_rules.masked_folders(), functools.partial(_rules.masks_in_use, state_dir))
     binds = _rules.mask_binds(root, masks, cache if is_root else None)
     copies = [source for source, _ in binds if source != "/dev/null"]
     if copies:  # the copies this sandbox binds: garbage collection keeps them
-        _write_new(rundir / MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
+        _write_new(rundir / _rules.MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
     return [option for source, path in binds for option in ("--ro-bind", source, path)]
 
 

@@ -8,7 +8,6 @@ their claims and the masked copies they list.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -25,11 +24,10 @@ from stockade.sandbox._host import (
     umount,
 )
 
-__all__ = ["claim_rundir", "collect_garbage", "default_state_dir", "masks_in_use"]
+__all__ = ["claim_rundir", "collect_garbage", "default_state_dir"]
 
 OWNER_FILE = "owner"  # a run folder's claim (_host.claim_folder): its text is "pid start-time"
 OWNERLESS_GRACE_S = 60.0  # a previous version's creator writes its owner just after the folder
-MASKS_FILE = "masks"  # the masked copies a sandbox binds (_rules.mask_binds), one per line
 
 
 def default_state_dir(is_root: bool) -> Path:
@@ -84,28 +82,15 @@ def _abandoned(rundir: Path, grace_s: float) -> bool:
         return False
 
 
-def masks_in_use(state_dir: Path) -> set[str]:
-    """The masked copies the sandboxes of ``state_dir`` bind (the ones gone too, until
-    ``collect_garbage`` removes their folders)."""
-    in_use: set[str] = set()
-    for rundir in state_dir.glob("sbx-*"):
-        with contextlib.suppress(OSError):
-            in_use.update((rundir / MASKS_FILE).read_text().split())
-    return in_use
-
-
 def collect_garbage(state_dir: Path | None = None) -> list[str]:
     """Remove sandboxes (mounts, run folders, cgroups) whose creating process is gone."""
     base = state_dir or default_state_dir(os.geteuid() == 0)
     removed: list[str] = []
-    in_use: set[str] = set()
     dead: set[str] = set()
     if base.is_dir():
         collect_staging(base)  # a crash before its rename: no mounts yet
         for rundir in sorted(base.glob("sbx-*")):
             if not _abandoned(rundir, OWNERLESS_GRACE_S):
-                with contextlib.suppress(OSError):
-                    in_use.update((rundir / MASKS_FILE).read_text().split())
                 continue
             dead.add(rundir.name)
             for name in ("workspace", "tmp", "shm"):
@@ -116,5 +101,6 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
         removed += _builds.collect(base)  # after the dead sandboxes' folders: what they used may go
     removed += _cgroups.collect("sbx-", lambda name: (base / name).exists(), dead.__contains__)
     if os.geteuid() == 0:
-        removed += _rules.collect_masked(_rules.masked_folders(), in_use)
+        # what the live sandboxes of every tier bind (the dead process ones' folders are gone)
+        removed += _rules.collect_masked(_rules.masked_folders(), _rules.masks_in_use(base))
     return removed

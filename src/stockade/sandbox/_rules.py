@@ -10,6 +10,7 @@ refuses, like a limit, unless the caller accepts less (``allow_weaker``).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import hashlib
@@ -21,7 +22,7 @@ import stat
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -479,8 +480,10 @@ def program_masks(root: Path | None, names: list[str], stamp: tuple[int, ...] = 
             continue  # /bin -> usr/bin: the same files
         for entry in os.scandir(base):
             try:
-                if entry.is_symlink():
-                    continue  # it leads to a file that is masked, or to none
+                # a link leads to a file that is masked, or to none; a folder named as a
+                # program (/usr/libexec/dpkg) is none, and no file can be bound over it
+                if not entry.is_file(follow_symlinks=False):
+                    continue
                 files.append((f"/{folder}/{entry.name}", entry.stat(), entry.path))
             except OSError:
                 continue
@@ -702,14 +705,35 @@ def _make_room(cache: MaskCache, entries: int) -> bool:
     return False
 
 
-def mask_binds(root: Path, masks: Iterable[str], cache: MaskCache | None) -> list[tuple[str, str]]:
-    """How a tier that binds files (bwrap) puts ``masks`` in place: ``(host source, inside
-    path)`` pairs. Each bind costs the sandbox's start a mount, a remount and a read of the
-    mount table (about 0.3 ms each): a folder with several masked programs, in it or beneath
-    it, is bound once, as a masked copy of its tree (``masked_folder``: an allowlist masks
-    hundreds of programs, /usr/lib/systemd's among them); else each program is covered by
-    /dev/null (nodev: it can be neither read, nor copied, nor run): so too where the cache
-    is full of copies in use."""
+# What a sandbox's run folder lists of the masked copies it binds, one a line: garbage
+# collection keeps those (``masks_in_use``).
+MASKS_FILE = "masks"
+# The run folders of every tier's sandboxes in a state folder: the process tier's, Docker's
+# containers and runsc's bundles.
+RUN_FOLDERS = ("sbx-*", "ctr-*", "gv-*")
+
+
+def masks_in_use(state_dir: Path) -> set[str]:
+    """The masked copies the sandboxes of ``state_dir`` bind, whatever their tier (the ones
+    gone too, until their tier's garbage collection removes their folders)."""
+    in_use: set[str] = set()
+    for pattern in RUN_FOLDERS:
+        for rundir in state_dir.glob(pattern):
+            with contextlib.suppress(OSError):
+                in_use.update((rundir / MASKS_FILE).read_text().split())
+    return in_use
+
+
+def mask_binds(
+    root: Path, masks: Iterable[str], cache: MaskCache | None, *, cover: str = "/dev/null"
+) -> list[tuple[str, str]]:
+    """How a tier that binds files (bwrap, gVisor) puts ``masks`` in place: ``(host source,
+    inside path)`` pairs. Each bind costs the sandbox's start a mount, a remount and a read of
+    the mount table (about 0.3 ms each): a folder with several masked programs, in it or
+    beneath it, is bound once, as a masked copy of its tree (``masked_folder``: an allowlist
+    masks hundreds of programs, /usr/lib/systemd's among them); else each program is covered
+    by ``cover`` (/dev/null, bound nodev: it can be neither read, nor copied, nor run): so too
+    where the cache is full of copies in use."""
     binds: list[tuple[str, str]] = []
     copied: list[str] = []  # folders bound as a copy: what is beneath them is in it
     for folder, names, beneath in _by_folder(tuple(masks)):
@@ -720,7 +744,43 @@ def mask_binds(root: Path, masks: Iterable[str], cache: MaskCache | None) -> lis
             binds.append((str(copy), folder))
             copied.append(folder)
         else:
-            binds += [("/dev/null", f"{folder}/{name}") for name in names]
+            binds += [(cover, f"{folder}/{name}") for name in names]
+    return binds
+
+
+# gVisor's gofer serves each bind, and runsc did not hold hundreds of them: an allowlist's
+# ~300 masks, one file bound over each, failed its start ("cannot read client sync file");
+# 120 to 200 started, then refused to load programs nobody had masked. 60 held.
+OWN_KERNEL_FILE_BINDS = 64
+
+
+def own_kernel_binds(
+    root: Path | None, masks: Sequence[str], cover: str, cache: MaskCache | None
+) -> list[tuple[str, str]]:
+    """How a tier whose kernel ignores masked paths (gVisor) puts ``masks`` in place:
+    ``(host source, inside path)`` pairs, each program covered by ``cover`` (an empty file only
+    root may read) while they are few; more, by folder (``mask_binds``: a masked copy of the
+    image's folder at ``root``, made with ``cache``). ``LimitNotEnforceable`` where more than
+    ``OWN_KERNEL_FILE_BINDS`` files would still be bound one by one (no copy could be made:
+    not root, the image's files not on this host, the cache full)."""
+    if len(masks) <= OWN_KERNEL_FILE_BINDS:  # one bind each: a memory snapshot restores those
+        return [(cover, path) for path in masks]
+    binds = mask_binds(root, masks, cache, cover=cover) if root is not None else [(cover, p) for p in masks]
+    files = sum(1 for source, _ in binds if source == cover)
+    if files > OWN_KERNEL_FILE_BINDS:
+        why = (
+            "the image's files are not on this host"
+            if root is None
+            else "no masked copy of their folders could be made (that needs root, the image's files "
+            "on this host and room in the cache of copies)"
+        )
+        raise exc.LimitNotEnforceable(
+            f"the rules mask {len(masks)} programs, {files} of them one file at a time, past the "
+            f"{OWN_KERNEL_FILE_BINDS} binds gVisor starts with: {why}",
+            setting="commands",
+            fix="run stockade as root with the default image (whole folders are then masked at "
+            "once), deny fewer programs, or use the process, docker or microvm tier",
+        )
     return binds
 
 

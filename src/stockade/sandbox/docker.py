@@ -616,6 +616,7 @@ class DockerBackend(Backend):
         *,
         uid: int,
         masks: Sequence[str],
+        mask_binds: Sequence[tuple[str, str]],
     ) -> Any:
         docker = docker_py()
         limits = spec.limits
@@ -641,10 +642,7 @@ class DockerBackend(Backend):
             memory, pids = own.host_memory, own.host_pids
         _hide_the_host(tmpfs, volume_binds, own_kernel=self.own_kernel)
         bind_list = [f"{src}:{v['bind']}:{v['mode']}" for src, v in volume_binds.items()]
-        if self.own_kernel and masks:
-            # gVisor does not apply MaskedPaths: an empty file no one may read takes their place.
-            empty = str(_guest.unreadable_file(self.state_dir))
-            bind_list += [f"{empty}:{path}:ro" for path in masks]
+        bind_list += [f"{source}:{path}:ro" for source, path in mask_binds]
         host_config = api.create_host_config(
             network_mode=_netfull.NETWORK if spec.network.unrestricted else "none",
             # No TIME_WAIT kept in the container's namespace: a connection code closed first
@@ -862,6 +860,17 @@ class DockerBackend(Backend):
                     spec, rundir / "egress", uid=lease.uid, root=self._image_root(), preload=self.own_kernel
                 )
                 binds[EGRESS_DIR] = egress.folder
+            # gVisor ignores MaskedPaths; masked copies are of the image's files on this host
+            mask_binds = (
+                _guest.mask_binds(
+                    rules.masks,
+                    root=self._image_root() if rundir is not None else None,
+                    state_dir=self.state_dir,
+                    rundir=rundir,
+                )
+                if self.own_kernel
+                else []
+            )
             with mapped_engine_errors(self.image, self.runtime):
                 created = _Create(
                     lambda: api.create_container(
@@ -878,7 +887,7 @@ class DockerBackend(Backend):
                         stop_signal="SIGKILL",
                         network_disabled=not spec.network.unrestricted,
                         host_config=self._host_config(
-                            api, spec, folder, binds, uid=lease.uid, masks=rules.masks
+                            api, spec, folder, binds, uid=lease.uid, masks=rules.masks, mask_binds=mask_binds
                         ),
                         name=name,
                     )

@@ -564,7 +564,9 @@ class RunscBackend(Backend):
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
                 host=_guest.own_kernel_limits(spec, self.platform),
                 annotations=annotations,
-                masks=masks,
+                mask_binds=_guest.mask_binds(masks, root=root, state_dir=self.state_dir, rundir=bundle)
+                if docker is None
+                else (),
             )
             _preload_supervisor(config, egress)
             if docker is not None:

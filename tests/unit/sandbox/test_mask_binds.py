@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from stockade import exceptions as exc
 from stockade.sandbox import _rules
 
 
@@ -181,3 +182,45 @@ def test_the_processs_memory_of_copies_is_bounded_as_the_cache_is(folder: Path, 
     for i in range(_rules.MASKED_COPIES_MAX + 5):
         copy_of(folder, {"curl", f"absent-{i}"}, cache)
     assert len(_rules._masked) == _rules.MASKED_COPIES_MAX
+
+
+# -- gVisor: its kernel ignores masked paths, and runsc starts with few binds ----------------
+
+COVER = "/state/unreadable"  # what gVisor binds over one program: an empty file only root reads
+
+
+def many_programs(folder: Path, count: int) -> list[str]:
+    for i in range(count):
+        (folder / f"p{i}").write_bytes(b"\x7fELF")
+    return [f"/usr/bin/p{i}" for i in range(count)]
+
+
+def test_on_gvisor_a_few_masks_are_each_one_bind(folder: Path, tmp_path: Path) -> None:
+    # as before: a memory snapshot restores these binds
+    binds = _rules.own_kernel_binds(
+        tmp_path, ["/usr/bin/curl", "/usr/bin/wget"], COVER, cache_in(tmp_path / "c")
+    )
+    assert binds == [(COVER, "/usr/bin/curl"), (COVER, "/usr/bin/wget")]
+
+
+def test_on_gvisor_many_masks_are_their_folders_masked_copies(folder: Path, tmp_path: Path) -> None:
+    # an allowlist masks ~300 programs: one bind each failed runsc's start
+    masks = many_programs(folder, _rules.OWN_KERNEL_FILE_BINDS + 1)
+    binds = _rules.own_kernel_binds(tmp_path, masks, COVER, cache_in(tmp_path / "cache"))
+    assert [inside for _, inside in binds] == ["/usr/bin"]
+    assert os.stat(Path(binds[0][0]) / "p0").st_size == 0 and (Path(binds[0][0]) / "ls").exists()
+
+
+def test_on_gvisor_many_masks_no_copy_can_hold_are_refused_with_a_fix(folder: Path, tmp_path: Path) -> None:
+    masks = many_programs(folder, _rules.OWN_KERNEL_FILE_BINDS + 1)
+    for root in (tmp_path, None):  # no cache (not root), or no image's files on this host
+        with pytest.raises(exc.LimitNotEnforceable) as refused:
+            _rules.own_kernel_binds(root, masks, COVER, None)
+        assert "gVisor" in str(refused.value) and "root" in refused.value.fix
+
+
+def test_the_copies_any_tiers_live_sandbox_lists_are_in_use(tmp_path: Path) -> None:
+    for rundir, copy in (("sbx-a", "masked-1"), ("ctr-sbx-b", "masked-2"), ("gv-sbx-c", "masked-3")):
+        (tmp_path / rundir).mkdir()
+        (tmp_path / rundir / _rules.MASKS_FILE).write_text(f"/cache/{copy}\n")
+    assert _rules.masks_in_use(tmp_path) == {"/cache/masked-1", "/cache/masked-2", "/cache/masked-3"}

@@ -94,6 +94,17 @@ def test_a_denied_programs_other_files_anywhere_in_the_image_are_masked(tmp_path
     assert found.masks == ("/usr/bin/uname", "/usr/lib/klibc/bin/uname")
 
 
+def test_a_folder_named_as_a_denied_program_is_not_masked(tmp_path: Path) -> None:
+    # dpkg's helpers live in /usr/libexec/dpkg/: a file bound over that folder failed every
+    # start under `deny dpkg` (bwrap, runsc)
+    (tmp_path / "usr" / "libexec" / "dpkg").mkdir(parents=True)
+    (tmp_path / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "usr" / "bin" / "dpkg").write_bytes(b"\x7fELF dpkg")
+    rules = SandboxRules(deny=("dpkg",))
+    found = _rules.plan(SandboxSpec(rules=rules), root=tmp_path, can_mask=True, can_confine=True)
+    assert found.masks == ("/usr/bin/dpkg",)
+
+
 @pytest.mark.parametrize(
     "rules",
     [
