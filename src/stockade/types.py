@@ -291,9 +291,11 @@ class HostRule:
 
     ``host`` is a name (``pypi.org``), a wildcard for the names below one (``*.github.com``:
     ``api.github.com``, not ``github.com``), or an IP literal (``10.0.0.5``, ``::1``), which
-    also allows that address. ``ports``: where (80 is plain HTTP, any other port is reached
-    with CONNECT and must carry TLS). ``methods``: empty for any; else only these (for HTTPS
-    the proxy then opens the TLS, with the sandbox's own CA, to see them).
+    also allows that address. ``ports``: where, for plain HTTP (``http://host:port/``, any of
+    them) and for HTTPS (a CONNECT tunnel, which must carry TLS from its first byte to its
+    last); a credential is added over TLS only, never to plain HTTP. ``methods``: empty for
+    any; else only these (for HTTPS the proxy then opens the TLS, with the sandbox's own CA,
+    to see them).
     """
 
     host: str

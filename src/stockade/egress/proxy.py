@@ -8,14 +8,17 @@ see ``docs/architecture.md``) and decides each request with ``Judge``:
   allowed), and connects to an address it checked: a name that rebinds between the check
   and the connection has nothing to rebind. The sandbox has no DNS of its own.
 * **Tunnels carry TLS to the name asked for.** After ``200`` to a CONNECT, the first bytes
-  must be a TLS ClientHello whose SNI is the CONNECT host; anything else closes the tunnel.
+  must be a TLS ClientHello whose SNI is the CONNECT host, and the rest TLS records;
+  anything else closes the tunnel. Plain HTTP goes to any port a rule allows, without
+  credentials: they are added over TLS only.
 * **Opened TLS** (``intercept``): for a host with a credential or with method rules, the
   proxy answers the TLS itself with a certificate from the sandbox's own CA, checks each
   request (method, ``Host``), adds the credential and makes its own verified TLS
   connection to the server. The credential's value is scrubbed from what comes back.
 * **Redirects** are checked like requests: a ``3xx`` whose ``Location`` the policy would
   refuse becomes a ``403`` (the client never sees where it led).
-* **Limits**: requests and bytes per minute, and connections at once, per sandbox.
+* **Limits**: requests and bytes per minute, connections at once, and connections accepted
+  per second (``Accepts``), per sandbox.
 
 A refusal is ``403`` (``429`` for a limit, ``400`` or ``431`` for a request that cannot
 be read or a name that is no DNS name, ``502`` for one not resolved in time) with a
@@ -42,8 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 import ssl
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,9 +66,48 @@ from stockade.types import EgressRecord, NetworkPolicy
 __all__ = ["EgressObserver", "EgressProxy", "EgressRecord", "Resolver", "SystemResolver"]
 
 MAX_CONNECTIONS = 128  # at once, per sandbox
+# Connections accepted, per sandbox: a burst at once, then so many a second (``Accepts``).
+ACCEPT_BURST = 64
+ACCEPTS_PER_S = 256
+ACCEPTS_PER_TURN = 8  # accepted at most per wake-up of the loop, before the other sandboxes run
 BUSY = (
     b"HTTP/1.1 503 stockade: too many connections at once\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 )
+
+
+class Accepts:
+    """A sandbox's budget of connections accepted (a token bucket): ``burst`` at once, then
+    ``per_s`` a second. Every sandbox's proxy shares one loop thread and an accepted
+    connection costs it a task before it sends a byte (the per-minute limits count
+    requests): a sandbox that opened and closed connections to its socket at full speed
+    (7.7k a second) made every other sandbox's requests 20-40 times slower. Past the budget
+    its listener is not read for a while: its connections wait in its own socket's backlog.
+    A package manager's 30-50 connections at once fit the burst, and a policy that allows
+    more requests than ``per_s`` a second gets as many connections."""
+
+    def __init__(self, burst: int, per_s: float) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self.tokens = float(burst)
+        self.at = time.monotonic()
+
+    def _fill(self) -> None:
+        now = time.monotonic()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.per_s)
+        self.at = now
+
+    def ready(self) -> bool:
+        """Whether one more connection may be accepted now."""
+        self._fill()
+        return self.tokens >= 1.0
+
+    def spend(self) -> None:
+        self.tokens -= 1.0
+
+    def wait_s(self, count: int) -> float:
+        """How long until ``count`` connections may be accepted (at most the burst)."""
+        self._fill()
+        return max(0.0, min(count, self.burst) - self.tokens) / self.per_s
 
 
 class EgressProxy:
@@ -71,7 +115,9 @@ class EgressProxy:
     ``start_tcp``, for tests and benchmarks) in the loop of ``stockade.egress._loop``;
     ``close`` cuts every connection at once and drops the credentials. At most
     ``max_connections`` at once, holding at most ``max_buffered`` bytes between them
-    (received and not yet passed on: past it, the sandbox's connections stop reading).
+    (received and not yet passed on: past it, the sandbox's connections stop reading), and
+    at most ``accept_burst`` accepted at once, then ``ACCEPTS_PER_S`` a second (or the
+    policy's requests per second if more: ``Accepts``).
     The credentials' values are read from their sources here (``read_secrets``; it may
     block) unless the caller read them (``secrets``: ``attach`` does, within a deadline);
     ``renew`` reads them again within ``secrets_timeout_s``."""
@@ -84,6 +130,7 @@ class EgressProxy:
         resolver: Resolver | None = None,
         max_connections: int = MAX_CONNECTIONS,
         max_buffered: int = BUFFERED_LIMIT,
+        accept_burst: int = ACCEPT_BURST,
         secrets: Mapping[str, str] | None = None,
         secrets_timeout_s: float = SECRETS_TIMEOUT_S,
     ) -> None:
@@ -92,6 +139,9 @@ class EgressProxy:
         self.gate = Gate(policy, observer=observer, resolver=resolver, secrets=secrets)
         self.judge = self.gate.judge
         self.max_connections = max_connections
+        self.accepts = Accepts(
+            accept_burst, max(ACCEPTS_PER_S, math.ceil(policy.max_requests_per_minute / 60))
+        )
         self.secrets_timeout_s = secrets_timeout_s  # the sources' reads at ``renew``
         self.gate.buffers.limit = max_buffered
         intercepted = tuple(
@@ -199,20 +249,33 @@ class EgressProxy:
         collector, with a ``ResourceWarning`` (Python 3.11: ``Server._attach`` asserts and the
         error is swallowed; a cancelled ``sock_accept`` loses the socket it had accepted). The
         relay's warm connections arrive at a sandbox's start, so a sandbox closed right after
-        it started met that. Here an accepted socket belongs to its task at once."""
+        it started met that. Here an accepted socket belongs to its task at once.
+
+        A few at a time (``ACCEPTS_PER_TURN``: the listener is level-triggered, what is left
+        wakes the loop again after the other sandboxes' work), within the sandbox's budget
+        (``Accepts``): once it is spent the listener rests until a few are allowed again."""
         loop = asyncio.get_running_loop()
-        for _ in range(self.max_connections):
+        for _ in range(ACCEPTS_PER_TURN):
+            if not self.accepts.ready():
+                self._rest(sock, self.accepts.wait_s(ACCEPTS_PER_TURN))
+                return
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # out of descriptors: the connection waits in the backlog a while
-                loop.remove_reader(sock.fileno())
-                loop.call_later(0.1, self._listen_again, sock)
+                self._rest(sock, 0.1)
                 return
+            self.accepts.spend()
             task = loop.create_task(self._connection(conn, self._generation))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
+
+    def _rest(self, sock: socket.socket, delay_s: float) -> None:
+        """Leave what waits in the backlog for ``delay_s``: only this sandbox's connects wait."""
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(sock.fileno())
+        loop.call_later(delay_s, self._listen_again, sock)
 
     def _listen_again(self, sock: socket.socket) -> None:
         if not self._closed:

@@ -7,6 +7,8 @@ thread they all run on (``egress/_loop.py``) and the host process's memory.
   connection closed: a flood of refused requests costs no parsing.
 * What a sandbox's connections hold (received, not yet passed on) is bounded as a whole:
   past ``max_buffered`` they all stop reading, however many connections it holds.
+* A sandbox's connections are accepted within a budget (a burst, then so many a second):
+  past it they wait in its own socket's backlog, not on the loop.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ import gc
 import re
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from stockade.egress import EgressProxy, NetworkPolicy, _loop
 from stockade.egress._streams import Plain
+from stockade.egress.proxy import ACCEPT_BURST, ACCEPTS_PER_S, ACCEPTS_PER_TURN, MAX_CONNECTIONS
 from stockade.types import EgressRecord
 from tests.conftest import wait_for
 
@@ -133,6 +139,97 @@ def test_request_heads_count_against_the_bytes_per_minute() -> None:
     assert [c.statuses() for c in clients] == [[403], [403], [403], [429], [429]]
 
 
+# -- the connections a sandbox opens --------------------------------------------------------
+
+CHURNER = """
+import socket, sys, time
+path, seconds = sys.argv[1], float(sys.argv[2])
+count, start = 0, time.monotonic()
+while time.monotonic() - start < seconds:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(seconds)  # a connect() waits while the proxy's backlog is full
+    try:
+        sock.connect(path)
+        count += 1
+    except OSError:
+        pass
+    sock.close()
+print(count, time.monotonic() - start)
+"""
+
+
+def unix_connection(path: str) -> socket.socket | None:
+    """A connection to ``path``; ``None`` while its backlog is full."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        sock.close()
+        return None
+    return sock
+
+
+def denied_answer(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(DENIED.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_sandbox_that_churns_connections_gets_its_budget_of_accepts_and_no_more(tmp_path: Path) -> None:
+    """A process opens and closes connections to one sandbox's socket at full speed, sending
+    nothing (no request: the per-minute limits never see them). Every accepted connection
+    costs the loop all sandboxes share a task: accepted as fast as they came (7.7k a second
+    in an outside test), they made another sandbox's requests 20-40 times slower. Now the
+    churner's connects are what the budget accepts (a burst, then ``ACCEPTS_PER_S`` a second)
+    and what its own backlog holds; the other sandbox is served meanwhile, and the churned
+    one again once it stops."""
+    churned, neighbour = EgressProxy(NetworkPolicy()), EgressProxy(NetworkPolicy())
+    path = str(tmp_path / "proxy.sock")
+    _loop.call(churned.start(path))
+    port = _loop.call(neighbour.start_tcp())
+    try:
+        churner = subprocess.Popen(
+            [sys.executable, "-c", CHURNER, path, "1.5"], stdout=subprocess.PIPE, text=True
+        )
+        answers = [denied_answer(port) for _ in range(20)]
+        out, _ = churner.communicate(timeout=60)
+        connects, seconds = int(out.split()[0]), float(out.split()[1])
+        backlog = MAX_CONNECTIONS + 1  # Linux queues one past a Unix socket's backlog
+        assert connects <= ACCEPT_BURST + ACCEPTS_PER_S * seconds + ACCEPTS_PER_TURN + backlog, (
+            f"{connects} connects in {seconds:.2f} s"
+        )
+        assert all(a.startswith(b"HTTP/1.1 403 ") for a in answers)
+        # The listener rested, then took up again: the churner's backlog is drained, a
+        # connect finds room (refused at once while it is full: a socket with a timeout).
+        sock = wait_for(lambda: unix_connection(path), what="room in the churned socket's backlog")
+        assert sock is not None
+        with sock:
+            sock.sendall(DENIED)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 403 ")
+    finally:
+        _loop.call(churned.close())
+        _loop.call(neighbour.close())
+
+
+def test_a_burst_of_connections_within_the_budget_is_accepted_at_once() -> None:
+    """A package manager opens 30-50 connections at once: within the burst, none waits."""
+    proxy = EgressProxy(NetworkPolicy(max_requests_per_minute=1000))
+    port = _loop.call(proxy.start_tcp())
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(48)]
+    try:
+        for sock in clients:
+            sock.sendall(DENIED)
+        assert all(sock.recv(65536).startswith(b"HTTP/1.1 403 ") for sock in clients)
+    finally:
+        for sock in clients:
+            sock.close()
+        _loop.call(proxy.close())
+
+
 # -- the memory a sandbox's connections hold -------------------------------------------------
 
 
@@ -210,6 +307,10 @@ def hello() -> bytes:
     return out.read()
 
 
+# What a tunnel's client sends after its hello: TLS records (application data), 64 KiB and a little.
+RECORDS = (b"\x17\x03\x03\x40\x00" + b"y" * 16384) * 4
+
+
 def held_by_streams() -> tuple[int, int, int]:
     """(bytes held, streams open, streams not reading) over every open stream of the proxies
     in this process: received and not yet read, and written and not yet sent."""
@@ -250,13 +351,13 @@ def test_tunnels_where_neither_side_reads_hold_at_most_the_sandboxs_budget(stall
             clients.append(sock)
 
         def send() -> None:
-            chunk = b"y" * 65536
+            left = [memoryview(RECORDS) for _ in clients]  # each tunnel's records, sent on where cut
             for sock in clients:
                 sock.settimeout(0.01)
             while not stop.is_set():
-                for sock in clients:
+                for i, sock in enumerate(clients):
                     with contextlib.suppress(OSError):
-                        sock.send(chunk)
+                        left[i] = left[i][sock.send(left[i]) :] or memoryview(RECORDS)
 
         threading.Thread(target=send, daemon=True).start()
 
@@ -300,7 +401,7 @@ def test_a_tunnel_whose_client_left_while_its_server_stopped_reading_gives_its_b
         sock.settimeout(0.2)
         with contextlib.suppress(TimeoutError):  # until the proxy stops taking: its writes wait
             while True:
-                sock.send(b"y" * 65536)
+                sock.sendall(RECORDS)
         wait_for(lambda: proxy.gate.buffers.held > 0, what="the proxy to hold the tunnel's bytes")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # a reset
         sock.close()

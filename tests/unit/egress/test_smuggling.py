@@ -8,6 +8,10 @@ h11 refuses) is answered ``400`` (``431``) with the reason and recorded, once, w
 connection to a server: on a new connection, on a kept one after a first request, and
 inside a tunnel whose TLS the proxy opened.
 
+A tunnel the proxy splices carries TLS records from the client to its end: plain text after a
+real ClientHello (an inline command for a Redis or an SMTP server on an allowed port) closes
+it unsent.
+
 A server's answer is bounded the same way: its heads (a final one, and the 1xx ones before
 it, which count against the bytes per minute, are bounded in number and share its deadline).
 
@@ -34,8 +38,10 @@ import pytest
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop, _streams
 from stockade.egress._feed import HEAD_LINES, INFORMATIONAL_LIMIT, PIECES_PER_TURN, load_h11
 from stockade.egress._streams import Plain
+from stockade.egress._tunnel import MAX_RECORD, Records
 from stockade.egress._upstream import UpstreamKey
 from stockade.types import EgressRecord
+from tests.conftest import wait_for
 from tests.egress_servers import servers
 
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
@@ -94,7 +100,7 @@ def server() -> Iterator[RawServer]:
 
 
 def _policy(
-    server: RawServer, max_bytes_per_minute: int = NetworkPolicy.max_bytes_per_minute
+    server: RawServer | Counting, max_bytes_per_minute: int = NetworkPolicy.max_bytes_per_minute
 ) -> NetworkPolicy:
     return NetworkPolicy(
         allow_hosts=(f"raw.test:{server.port}",),
@@ -900,3 +906,119 @@ def test_an_answer_head_with_a_folded_line_is_a_502_h11_never_parses(server: Raw
     assert _statuses(answer) == [502] and b"rule: reply (syntax)" in answer and b"Zq9x" not in answer
     assert [(r.status, r.decision, r.rule) for r in records] == [(502, "allow", "reply (syntax)")]
     assert parsed == 0
+
+
+# -- what a spliced tunnel carries -------------------------------------------------------------
+
+
+def _client_hello(name: str) -> bytes:
+    """A real TLS ClientHello for ``name``, as a client's first bytes in a tunnel."""
+    obj = ssl.create_default_context().wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO(), server_hostname=name)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+def _record(kind: int, body: bytes) -> bytes:
+    return bytes([kind, 3, 3]) + len(body).to_bytes(2, "big") + body
+
+
+PLAIN = b"\r\nSET key value\r\n"
+
+
+class Counting:
+    """A raw TCP server on 127.0.0.2 that takes one connection and keeps what it got, as it
+    comes, until the connection's end (``ended``); it sends nothing."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.2", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.got = b""
+        self.ended = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError), self.sock.accept()[0] as conn:
+            while chunk := conn.recv(65536):
+                self.got += chunk
+        self.ended.set()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["one-send", "after-the-records-went"])
+def test_plain_text_after_a_client_hello_never_reaches_the_server(apart: bool) -> None:
+    """A real ClientHello for the CONNECT host, a TLS record, then a Redis inline command:
+    the command never reaches the server (a raw TCP server on an allowed host and port,
+    counting what it got), the tunnel is closed and its record says why. Sent after the
+    records reached the server, those went and it did not; sent with them, in one read of
+    the proxy's, nothing of that read went. Before, only the first record was checked and
+    the command went through."""
+    server = Counting()
+    records: list[EgressRecord] = []
+    proxy = EgressProxy(_policy(server), observer=records.append)
+    port = _loop.call(proxy.start_tcp())
+    tls = _client_hello("raw.test") + _record(23, b"\x17" * 40)
+    closed = False
+    try:
+        raw, head = _tunnel(port, f"raw.test:{server.port}")
+        with raw:
+            assert head.startswith(b"HTTP/1.1 200"), head
+            if apart:
+                raw.sendall(tls)
+                wait_for(lambda: len(server.got) == len(tls), what="the TLS records to reach the server")
+                raw.sendall(PLAIN)
+            else:
+                raw.sendall(tls + PLAIN)
+            raw.settimeout(5)
+            with contextlib.suppress(TimeoutError):
+                closed = raw.recv(65536) == b""  # the proxy closed the tunnel
+    finally:
+        _loop.call(proxy.close())
+        server.ended.wait(10)
+        server.close()
+    assert PLAIN not in server.got and server.got in ((tls,) if apart else (b"", tls))
+    assert closed
+    (tunnel,) = records
+    assert (tunnel.method, tunnel.rule, tunnel.status) == ("CONNECT", "tls (records)", 200)
+    assert "no TLS record" in tunnel.reason and tunnel.bytes_out == len(server.got)
+
+
+def _problems(stream: bytes, pieces: list[int]) -> str | None:
+    """``stream`` given to one ``Records`` in pieces of these sizes (the rest as the last)."""
+    records = Records()
+
+    async def check() -> str | None:
+        at = 0
+        for size in [*pieces, len(stream)]:
+            problem = await records.check(stream[at : at + size])
+            at += size
+            if problem is not None or at >= len(stream):
+                return problem
+        return None
+
+    return _loop.call(check())
+
+
+def test_tls_records_are_followed_across_reads_however_they_are_cut() -> None:
+    """Records span reads and a header may be split between two: cut at every place, a
+    stream of records passes, and a header that is no record's is found where it comes."""
+    stream = (
+        _client_hello("raw.test") + _record(20, b"\x01") + _record(23, b"x" * MAX_RECORD) + _record(21, b"ab")
+    )
+    for cut in range(1, len(stream), 7):
+        assert _problems(stream, [cut]) is None
+    assert _problems(stream, [1] * 200) is None  # byte by byte through the hello's header
+    for bad in (
+        _record(24, b"x"),
+        b"GET / HTTP/1.1\r\n",
+        _record(23, b""),
+        _record(23, b"x" * (MAX_RECORD + 1)),
+    ):
+        for cut in (1, 3, 5, len(stream) - 2, len(stream) + 2):
+            assert _problems(stream + bad, [cut]) is not None, (bad[:8], cut)
