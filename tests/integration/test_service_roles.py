@@ -5,14 +5,17 @@ what an admin token made (404 on every route, as for another tenant's ids), whil
 token of role ``admin`` uses it all, and the audit trail names the token of each call. A role's
 ``tools`` hold over the sandbox API: each call is refused (403) where the tool it amounts to is
 not the role's; and over a run's acceptance check, the caller's command, judged as the sandbox
-API's ``/commands`` judges one (tenant ``locked``'s policy denies ``execute``)."""
+API's ``/commands`` judges one (tenant ``locked``'s policy denies ``execute``). A data class's
+``tools`` hold over the sandbox API too (tenant ``labs`` keeps one to ``read_file``)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sqlite3
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +78,26 @@ deny = ["execute"]
 tiers = ["process"]
 """
 
+REPORT = "reports/2024/q3.txt"
+
+# A data class kept to read_file, and a role that may read and write it but runs no code (code of
+# a tool the class's list leaves out would keep the class out of the sandbox).
+LABS_POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[[data]]
+paths = ["reports/**"]
+tier = "confidential"
+[data_access.confidential]
+read = ["analyst"]
+write = ["analyst"]
+tools = ["read_file"]
+[roles.analyst]
+tiers = ["process"]
+tools = ["read_file", "list_files", "write_file"]
+"""
+
 
 @dataclass(frozen=True)
 class Acme:
@@ -89,6 +112,7 @@ class Acme:
     coder: str  # tools: read_file, run_code
     searcher: str  # a tool of its own, none a sandbox's call amounts to
     locked: str  # of tenant locked, whose policy denies execute
+    analyst: str  # of tenant labs, whose data class is kept to read_file
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +123,7 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     folder = tmp_path_factory.mktemp("roles")
     (folder / "policy.toml").write_text(POLICY)
     (folder / "locked.toml").write_text(LOCKED_POLICY)
+    (folder / "labs.toml").write_text(LABS_POLICY)
     admin, admin_record = new_token("acme", "admin")
     second, second_record = new_token("acme", "admin")
     dev, dev_record = new_token("acme", "dev")
@@ -106,13 +131,16 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     coder, coder_record = new_token("acme", "coder")
     searcher, searcher_record = new_token("acme", "searcher")
     locked, locked_record = new_token("locked", "dev")
+    analyst, analyst_record = new_token("labs", "analyst")
     records = (
         admin_record, second_record, dev_record, reader_record, coder_record, searcher_record, locked_record,
+        analyst_record,
     )  # fmt: skip
     empty = Tenants(tenants={}, tokens={})
     (folder / "tenants.toml").write_text(
         '[tenants.acme]\npolicy = "policy.toml"\nsandboxes = 4\ncpus = 4\nmemory_mb = 4096\n\n'
-        '[tenants.locked]\npolicy = "locked.toml"\n\n' + "\n".join(empty.toml_lines(r) for r in records)
+        '[tenants.locked]\npolicy = "locked.toml"\n\n[tenants.labs]\npolicy = "labs.toml"\n\n'
+        + "\n".join(empty.toml_lines(r) for r in records)
     )
     server = Server(
         folder / "tenants.toml", f"sqlite:///{folder / 'service.db'}", folder,
@@ -121,7 +149,7 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     try:
         yield Acme(
             server, folder, admin, admin_record.id, second, second_record.id, dev, reader, coder, searcher,
-            locked,
+            locked, analyst,
         )  # fmt: skip
     finally:
         server.stop()
@@ -560,3 +588,54 @@ def test_a_role_that_may_run_commands_runs_its_acceptance_check(acme: Acme) -> N
         assert run.wait().status == "success"
         assert "+checked" in run.diff()
         run.delete()
+
+
+def tar_of(name: str, data: bytes) -> bytes:
+    held = io.BytesIO()
+    with tarfile.open(fileobj=held, mode="w") as tar:
+        entry = tarfile.TarInfo(name)
+        entry.size = len(data)
+        tar.addfile(entry, io.BytesIO(data))
+    return held.getvalue()
+
+
+def test_a_data_class_kept_to_read_file_is_read_through_its_calls_alone(acme: Acme, tmp_path: Path) -> None:
+    """``data_access.confidential.tools = ["read_file"]``: the API judges each op with the tool
+    its call amounts to, as a run judges each with the tool that issued it. The class's file is
+    read (its content, its entry, its folder's download); a listing or a write of the class is
+    refused by the class's rule. Before, the API judged every op with no tool, and the class's
+    ``tools`` were skipped: its folders were listed, its files overwritten and removed."""
+    (tmp_path / REPORT).parent.mkdir(parents=True)
+    (tmp_path / REPORT).write_text("Q3: 42")
+    folder: dict[str, object] = {"params": {"path": "reports/2024"}}
+    report: dict[str, object] = {"params": {"path": REPORT}}
+    with (
+        Client(acme.server.url, acme.analyst) as analyst,
+        RemoteSandbox.create("process", limits=LIMITS, client=analyst) as sbx,
+    ):
+        sbx.files.upload_dir(tmp_path)  # the workspace, as a run's is given
+        base = f"/v1/sandboxes/{sbx.id}"
+        refused = answers(acme, acme.analyst, [
+            ("GET", f"{base}/files", folder),  # list_files
+            ("PUT", f"{base}/files/content", {**report, "content": b"Q3: 0"}),  # write_file
+            ("POST", f"{base}/files/dir", {"params": {"path": "reports/2024/more"}}),
+            ("PUT", f"{base}/archive", {**folder, "content": tar_of("q4.txt", b"Q4: 0")}),
+            ("DELETE", f"{base}/files", report),
+        ])  # fmt: skip
+        assert refused == dict.fromkeys(refused, (403, "data_access.confidential.tools"))
+        allowed = answers(acme, acme.analyst, [  # read_file
+            ("GET", f"{base}/files/content", report),
+            ("GET", f"{base}/files/stat", report),
+            ("GET", f"{base}/archive", folder),
+        ])  # fmt: skip
+        assert list(allowed.values()) == [(200, None)] * 3
+        assert sbx.files.read(REPORT) == "Q3: 42"  # neither overwritten nor removed
+        # a command or code reading it: refused as before, the role runs none
+        code = answers(acme, acme.analyst, [
+            ("POST", f"{base}/commands", {"json": {"cmd": f"cat {REPORT}"}}),
+            ("POST", f"{base}/code", {"json": {"code": f"print(open('{REPORT}').read())"}}),
+        ])  # fmt: skip
+        assert code == dict.fromkeys(code, (403, "roles.analyst.tools"))
+        # outside the class, the role's tools as ever
+        sbx.files.write("notes.txt", "read the report")
+        assert {e.path for e in sbx.files.list("")} == {"notes.txt", "reports"}

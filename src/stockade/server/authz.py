@@ -10,18 +10,36 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.egress._rules import Judge, ip_literal
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import OpContext, op_policy_guard
+from stockade.policy.guards import OpContext, OpGuard, op_policy_guard
 from stockade.policy.schema import Policy, Verdict
 from stockade.sandbox.base import Backend
-from stockade.sandbox.ops import RunCommand
+from stockade.sandbox.ops import (
+    GetArchive,
+    ListDir,
+    MakeDir,
+    Op,
+    Pause,
+    PutArchive,
+    ReadFile,
+    Remove,
+    Reset,
+    RunCode,
+    RunCommand,
+    Stat,
+    TakeExecs,
+    TakeSnapshot,
+    WriteFile,
+)
 from stockade.server.tenants import Principal
 from stockade.types import NetworkPolicy, Trust
 
 __all__ = [
+    "OP_CALLS",
     "SANDBOX_TOOLS",
     "check_acceptance_check",
     "check_approver",
@@ -34,6 +52,7 @@ __all__ = [
     "effective_policy",
     "engine_for",
     "may_approve",
+    "sandbox_op_guard",
 ]
 
 # The tool each call of the sandbox API amounts to: a command is the raw shell, code is
@@ -59,6 +78,27 @@ SANDBOX_TOOLS: dict[str, tuple[str, str]] = {  # call: (tool, the call in words)
     "restore": ("write_file", "starting from a snapshot"),
     "pause": ("write_file", "pausing a sandbox (its resume brings its files back)"),
     "resume": ("write_file", "resuming a sandbox"),
+}
+
+# The call of ``SANDBOX_TOOLS`` each op of a sandbox amounts to: the API's op guard judges the op
+# with that call's tool (``sandbox_op_guard``). Code in a language but Python is the command that
+# runs it (a program on stdin), judged as the raw shell: an argv sent to ``/commands`` could be
+# the same, and must not pass for code.
+OP_CALLS: dict[type[Op[Any]], str | None] = {
+    RunCommand: "command",
+    RunCode: "code",
+    ReadFile: "read",
+    Stat: "stat",
+    GetArchive: "download",
+    TakeSnapshot: "snapshot",
+    ListDir: "list",
+    WriteFile: "write",
+    MakeDir: "make_dir",
+    Remove: "remove",
+    PutArchive: "upload",
+    Reset: "reset",
+    Pause: "pause",
+    TakeExecs: None,  # the audit layer's own, below the guard: no call sends it
 }
 
 # Weakest to strictest: a request may tighten the tenant's trust, never loosen it.
@@ -284,6 +324,21 @@ def check_sandbox_tools(engine: PolicyEngine) -> None:
             rule=f"roles.{engine.role_name}.tools",
             action="create a sandbox",
         )
+
+
+def sandbox_op_guard(engine: PolicyEngine) -> OpGuard:
+    """The policy over each op of a sandbox of the API, judged with the tool of the call it
+    amounts to (``OP_CALLS``), as a run's ops are with the tool that issued them: a data class's
+    ``tools`` hold over the API too. Judged with no tool, a class kept to ``read_file`` was
+    listed, written and removed by the API's other calls."""
+    judge = op_policy_guard(engine)
+
+    def guard(ctx: OpContext, op: Op[Any]) -> Op[Any]:
+        call = OP_CALLS.get(type(op))
+        tool = SANDBOX_TOOLS[call][0] if call is not None else ""
+        return judge(dataclasses.replace(ctx, tool=tool), op)
+
+    return guard
 
 
 def check_approver(principal: Principal) -> None:

@@ -50,7 +50,7 @@ from fastapi.encoders import jsonable_encoder
 from stockade import exceptions as exc
 from stockade.audit.sandbox import AuditedBackend, current_actor
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
+from stockade.policy.guards import GuardedBackend, OpContext
 from stockade.runs.lease import owner_gone, owner_token
 from stockade.sandbox._startup import rules_changed
 from stockade.sandbox._supervised import spec_from_state
@@ -65,6 +65,7 @@ from stockade.server.authz import (
     choose_tier,
     engine_for,
     network_changed,
+    sandbox_op_guard,
 )
 from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.calls import CutOnLeave, RunningCalls
@@ -216,7 +217,7 @@ class SandboxRegistry:
             AuditedBackend(
                 self.service.backends(tier), log, run_id=sandbox_id, actor=f"api:{principal.token_id}"
             ),
-            op_policy_guard(engine),
+            sandbox_op_guard(engine),
             OpContext(run_id=sandbox_id, role=principal.role),
         )
 

@@ -5,10 +5,13 @@ through the sandbox API."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from stockade import exceptions as exc
 from stockade.egress._rules import Judge
+from stockade.policy.guards import OpContext
 from stockade.policy.schema import (
     CommandRules,
     CredentialRule,
@@ -22,8 +25,23 @@ from stockade.policy.schema import (
 )
 from stockade.sandbox.base import Backend
 from stockade.sandbox.docker import DockerBackend
+from stockade.sandbox.ops import (
+    GetArchive,
+    ListDir,
+    MakeDir,
+    Op,
+    PutArchive,
+    ReadFile,
+    Remove,
+    RunCommand,
+    Stat,
+    TakeExecs,
+    WriteFile,
+)
 from stockade.sandbox.process import ProcessBackend
 from stockade.server.authz import (
+    OP_CALLS,
+    SANDBOX_TOOLS,
     check_acceptance_check,
     check_model,
     check_network,
@@ -31,6 +49,7 @@ from stockade.server.authz import (
     choose_tier,
     effective_policy,
     engine_for,
+    sandbox_op_guard,
 )
 from stockade.server.tenants import Principal, Tenant
 from stockade.testing import FakeBackend
@@ -312,3 +331,47 @@ def test_an_acceptance_check_needs_what_the_same_command_through_the_sandbox_api
 
 def test_a_role_that_may_run_commands_may_give_a_run_an_acceptance_check() -> None:
     check_acceptance_check(engine_for(principal("dev", CHECKED)), "pytest -q && ruff check .")
+
+
+def test_every_op_of_a_sandbox_amounts_to_a_call_of_the_api_or_to_none_it_sends() -> None:
+    """The API's op guard judges each op with its call's tool: an op type missing from
+    ``OP_CALLS`` would be judged with no tool, and a data class's ``tools`` skipped."""
+    assert set(OP_CALLS) == set(Op.__subclasses__())
+    assert {call for call in OP_CALLS.values() if call is not None} <= set(SANDBOX_TOOLS)
+    assert [op for op, call in OP_CALLS.items() if call is None] == [TakeExecs]  # the audit layer's
+
+
+KEPT_TO_READ_FILE = Policy.model_validate(
+    {
+        "roles": {"analyst": {"tools": ["read_file", "list_files", "write_file", "shell", "run_code"]}},
+        "data": [{"paths": ["reports/**"], "tier": "confidential"}],
+        "data_access": {"confidential": {"read": ["analyst"], "write": ["analyst"], "tools": ["read_file"]}},
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        ListDir(path="reports/2024"),
+        WriteFile(path="reports/q3.txt", data=b"forged"),
+        MakeDir(path="reports/more"),
+        Remove(path="reports/q3.txt"),
+        PutArchive(path="reports/2024"),
+        RunCommand(argv=("/bin/sh", "-c", "cat reports/q3.txt")),
+    ],
+    ids=type,
+)
+def test_the_sandbox_api_judges_each_op_with_the_tool_of_its_call(op: Op[Any]) -> None:
+    """``data_access.confidential.tools = ["read_file"]``: the class is read by read_file's calls
+    alone (a file, its entry, a folder's download), as in a run."""
+    guard = sandbox_op_guard(engine_for(principal("analyst", KEPT_TO_READ_FILE)))
+    for read in (
+        ReadFile(path="reports/q3.txt"),
+        Stat(path="reports/q3.txt"),
+        GetArchive(path="reports/2024"),
+    ):
+        assert guard(OpContext(run_id="sbx"), read) == read
+    with pytest.raises(exc.PolicyDenied) as denied:
+        guard(OpContext(run_id="sbx"), op)
+    assert denied.value.rule == "data_access.confidential.tools"
