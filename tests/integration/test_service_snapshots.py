@@ -17,7 +17,8 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import Client, RemoteSandbox
-from stockade.sandbox.snapshots import MARKER, MiB, SnapshotStore
+from stockade.sandbox._snapshot_files import MARKER, MiB
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import SnapshotKind
 from tests.conftest import require_tier
 from tests.integration.service_env import Server, Tokens, write_tenants

@@ -36,8 +36,8 @@ from stockade import (
     SnapshotStoreFull,
 )
 from stockade.audit import AuditedBackend, EventKind, verify
+from stockade.sandbox._snapshot_files import MARKER
 from stockade.sandbox.process import ProcessBackend
-from stockade.sandbox.snapshots import MARKER
 from stockade.testing import capture_audit
 from tests.conftest import require_tier
 from tests.integration.conftest import TIERS

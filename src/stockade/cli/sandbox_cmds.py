@@ -333,7 +333,8 @@ def gc(
     """Remove what crashed processes left behind: cgroups, mounts, run folders, containers, and
     snapshots nothing keeps."""
     from stockade.sandbox import _gc
-    from stockade.sandbox.snapshots import MARKER, SnapshotStore
+    from stockade.sandbox._snapshot_files import MARKER
+    from stockade.sandbox.snapshots import SnapshotStore
 
     engine = None
     if network:  # lasting, like the image: shared by every process's full-network sandboxes

@@ -39,8 +39,9 @@ from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host
 from stockade.sandbox._archive import MAX_DEPTH, Extraction
 from stockade.sandbox._boundary import EgressHandle
+from stockade.sandbox._snapshot_files import CHUNK
 from stockade.sandbox._supervised import SupervisedInstance
-from stockade.sandbox.snapshots import CHUNK, Reservation, SnapshotStore
+from stockade.sandbox.snapshots import Reservation, SnapshotStore
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer

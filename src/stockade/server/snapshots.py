@@ -43,7 +43,8 @@ from fastapi import APIRouter, Request, Response
 
 from stockade import exceptions as exc
 from stockade.runs.snapshots import kept_runs, release_run_snapshots
-from stockade.sandbox.snapshots import ROLE_KEY, MiB, SnapshotStore
+from stockade.sandbox._snapshot_files import MiB
+from stockade.sandbox.snapshots import ROLE_KEY, SnapshotStore
 from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
 from stockade.server.schemas import SnapshotOut

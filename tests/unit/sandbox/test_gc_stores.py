@@ -12,7 +12,7 @@ import pytest
 
 from stockade import SnapshotKind, SnapshotStore
 from stockade.sandbox._gc import snapshot_stores
-from stockade.sandbox.snapshots import MARKER
+from stockade.sandbox._snapshot_files import MARKER
 
 DAYS_AGO = time.time() - 2 * 86400
 

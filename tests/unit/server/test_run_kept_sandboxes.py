@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from stockade.cli.main import app
 from stockade.runs.snapshots import ref_name
-from stockade.sandbox.snapshots import MiB, SnapshotStore
+from stockade.sandbox._snapshot_files import MiB
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.server.context import ServiceConfig
 from stockade.server.runner import Runner
 from stockade.server.service import Service
