@@ -12,7 +12,8 @@ import pytest
 from pydantic import JsonValue
 
 from stockade.agent import RunLimits, RunStatus
-from stockade.assembly import AgentConfig, _AuditedApprovals, build_agent, effective_trust
+from stockade.assembly import AgentConfig, build_agent, effective_trust
+from stockade.assembly.approvals import AuditedApprovals
 from stockade.audit import AuditLog, MemoryStore
 from stockade.exceptions import ApprovalDecided, ApprovalRequired, PolicyDenied, TierUnavailable
 from stockade.models import FunctionModel, Model, ModelRequest, ModelResponse, ScriptedModel, tool_call
@@ -296,7 +297,7 @@ def test_a_decision_the_run_reads_while_it_is_being_made_is_recorded_once(tmp_pa
     next decision of that request out of the trail. The mark comes first now."""
     log = AuditLog(MemoryStore(), flush_interval_s=None)
     book = _BookTheRunReadsAtOnce(tmp_path / "approvals")
-    approvals = _AuditedApprovals(Approvals(store=book), log)
+    approvals = AuditedApprovals(Approvals(store=book), log)
     request = ApprovalRequest(run_id="r1", action="run `rm -r build`", rule="rm -r", reason="asks")
     with pytest.raises(ApprovalRequired):
         approvals.require(request)
@@ -313,7 +314,7 @@ def test_a_decision_refused_by_the_book_leaves_the_next_one_to_the_run_to_record
     recorded by the run that reads it."""
     log = AuditLog(MemoryStore(), flush_interval_s=None)
     book = ApprovalStore(tmp_path / "approvals")
-    approvals = _AuditedApprovals(Approvals(store=book), log)
+    approvals = AuditedApprovals(Approvals(store=book), log)
     request = ApprovalRequest(run_id="r1", action="run `rm -r build`", rule="rm -r", reason="asks")
     with pytest.raises(ApprovalRequired):
         approvals.require(request)

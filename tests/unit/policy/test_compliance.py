@@ -167,10 +167,10 @@ def test_a_declared_profile_raises_the_minimum_tier_to_the_microvm(tmp_path: Pat
     assert PolicyEngine(policy).allowed_tiers() == ("microvm",)
     plain = load_policy(write(tmp_path, 'version = 1\n[trust]\nlevel = "trusted"\n'))
     assert "process" in PolicyEngine(plain).allowed_tiers()
-    from stockade.assembly import _choose_tier
+    from stockade.assembly.trust import choose_tier
 
     with pytest.raises(TierUnavailable, match="compliance profiles soc2"):
-        _choose_tier(PolicyEngine(policy), "process", None)
+        choose_tier(PolicyEngine(policy), "process", None)
 
 
 def test_every_requirement_says_what_it_found() -> None:
