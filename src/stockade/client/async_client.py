@@ -36,7 +36,8 @@ from stockade.client.client import (
     submit_body,
 )
 from stockade.client.sandbox import snapshot_id
-from stockade.sandbox._archive import Extraction, Inflated
+from stockade.sandbox._archive import Extraction
+from stockade.sandbox._archive_gzip import Inflated
 from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import Limits, Snapshot

@@ -31,7 +31,8 @@ from stockade.client._http import (
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
 from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
-from stockade.sandbox._archive import Extraction, Inflated
+from stockade.sandbox._archive import Extraction
+from stockade.sandbox._archive_gzip import Inflated
 from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import Limits, Snapshot

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox._archive import Extraction, Inflated
+from stockade.sandbox._archive import Extraction
+from stockade.sandbox._archive_gzip import Inflated
 from stockade.sandbox._requests import open_entry, unreadable, upload_entries
 
 __all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "unpack_seed"]

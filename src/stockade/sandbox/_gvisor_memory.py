@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host
-from stockade.sandbox._archive import MAX_DEPTH, Extraction
+from stockade.sandbox._archive import Extraction
+from stockade.sandbox._archive_members import MAX_DEPTH
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._snapshot_files import CHUNK
 from stockade.sandbox._supervised import SupervisedInstance

@@ -27,7 +27,7 @@ from stockade._checks import (
     check_text,
     check_timeout,
 )
-from stockade.sandbox._archive import MAX_DEPTH as ARCHIVE_DEPTH
+from stockade.sandbox._archive_members import MAX_DEPTH as ARCHIVE_DEPTH
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox._transfers import TRANSFER_CHUNK
 from stockade.sandbox.base import OutputSink

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
-from stockade.sandbox._archive import MAX_DEPTH, Extraction
+from stockade.sandbox._archive import Extraction
+from stockade.sandbox._archive_members import MAX_DEPTH
 from stockade.server.scratch import remove_tree
 
 if TYPE_CHECKING:

@@ -31,14 +31,10 @@ from stockade import (
     StockadeError,
     WorkspaceError,
 )
-from stockade.sandbox._archive import (
-    ENTRY_COST,
-    FOLDER_COST,
-    LINK_WORK,
-    STAGE_PREFIX,
-    Extraction,
-    extract_archive,
-)
+from stockade.sandbox._archive import Extraction, extract_archive
+from stockade.sandbox._archive_links import LINK_WORK
+from stockade.sandbox._archive_members import ENTRY_COST, FOLDER_COST
+from stockade.sandbox._archive_stage import STAGE_PREFIX
 from stockade.sandbox.base import OpResult
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES, GetArchive, Op
 from stockade.testing import FakeBackend

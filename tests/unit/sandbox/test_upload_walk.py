@@ -15,7 +15,7 @@ import pytest
 
 from stockade import exceptions as exc
 from stockade.runs.seeds import pack_workspace
-from stockade.sandbox._archive import MAX_DEPTH
+from stockade.sandbox._archive_members import MAX_DEPTH
 from stockade.sandbox.facade import tar_directory
 
 Nest = Callable[[Path, int], Path]

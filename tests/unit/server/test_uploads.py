@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
-from stockade.sandbox._archive import MAX_DEPTH
+from stockade.sandbox._archive_members import MAX_DEPTH
 from stockade.server.uploads import HEADER_ROOM, check_archive, unpack_archive
 
 MiB = 1024 * 1024
