@@ -23,6 +23,7 @@ from stockade.server.guard import RequestGuard
 from stockade.server.held import HeldBytes
 from stockade.server.routing import Peers, SandboxRouting
 from stockade.server.runs import router as runs_router
+from stockade.server.sandbox_files import router as sandbox_files_router
 from stockade.server.sandboxes import router as sandboxes_router
 from stockade.server.service import Service
 from stockade.server.snapshots import router as snapshots_router
@@ -97,7 +98,7 @@ def create_app(service: Service) -> FastAPI:
     app.state.peers = peers
     app.add_middleware(SandboxRouting, service=service, peers=peers)  # a sandbox held by a peer: there
     viewer = viewer_router(ServiceAuth(service))  # the run viewer, /ui
-    routers = (sandboxes_router, snapshots_router, runs_router, viewer)
+    routers = (sandboxes_router, sandbox_files_router, snapshots_router, runs_router, viewer)
     # outermost: a body is bounded before a route or a peer sees it
     routes = [route for router in routers for route in router.routes]
     app.add_middleware(BodyCap, limit=service.config.max_request_bytes, routes=routes)

@@ -16,7 +16,7 @@ from stockade.server.exclusive import OnePerKey
 from stockade.server.executor import Executor, InProcessExecutor
 from stockade.server.retention import Retention
 from stockade.server.runner import Runner
-from stockade.server.sandboxes import SandboxRegistry
+from stockade.server.sandbox_registry import SandboxRegistry
 from stockade.server.snapshots import TenantSnapshots
 from stockade.server.state.approvals import DatabaseApprovals
 from stockade.server.state.kills import DatabaseKillSource
