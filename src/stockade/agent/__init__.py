@@ -25,20 +25,11 @@ from stockade.agent.events import (
     ToolRejected,
     ToolReturned,
 )
-from stockade.agent.loop import (
-    DEFAULT_SYSTEM_PROMPT,
-    Agent,
-    AgentRun,
-    CallToolsNode,
-    CheckNode,
-    End,
-    Guard,
-    GuardContext,
-    ModelRequestNode,
-    Node,
-    RunLimits,
-    RunResult,
-)
+from stockade.agent.limits import RunLimits
+from stockade.agent.loop import Agent
+from stockade.agent.nodes import CallToolsNode, CheckNode, End, ModelRequestNode, Node, RunResult
+from stockade.agent.run import AgentRun
+from stockade.agent.settings import DEFAULT_SYSTEM_PROMPT, Guard, GuardContext
 from stockade.agent.state import CheckRecord, NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
 
 __all__ = [

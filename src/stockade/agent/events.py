@@ -20,7 +20,7 @@ from stockade.agent.state import CheckRecord, RunState, StepRecord, ToolCallReco
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
 
 if TYPE_CHECKING:
-    from stockade.agent.loop import RunResult
+    from stockade.agent.nodes import RunResult
     from stockade.tools.base import Tool
 
 __all__ = [

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from stockade.agent.events import AgentEvent, RunStarted
-from stockade.agent.loop import Guard, GuardContext
+from stockade.agent.settings import Guard, GuardContext
 from stockade.exceptions import PatchRejected, PolicyDenied
 from stockade.models.base import Model, WrapperModel
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall

@@ -16,7 +16,7 @@ from stockade.models.messages import Usage
 from stockade.policy.schema import Policy
 
 if TYPE_CHECKING:
-    from stockade.agent.loop import RunLimits
+    from stockade.agent.limits import RunLimits
 
 __all__ = ["ApprovalEntry", "RetryEntry", "RunSetup", "RunSummary", "RunTrace", "WorkspaceUsage"]
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stockade.agent.loop import RunLimits
+from stockade.agent.limits import RunLimits
 from stockade.agent.state import CheckRecord, RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.assembly import AgentConfig, GuardedAgent
 from stockade.audit.log import AuditLog

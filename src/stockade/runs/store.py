@@ -82,7 +82,7 @@ from stockade.runs.workspace_history import WorkspaceHistory
 from stockade.sandbox.facade import Sandbox
 
 if TYPE_CHECKING:
-    from stockade.agent.loop import RunLimits
+    from stockade.agent.limits import RunLimits
 
 __all__ = [
     "OUTCOME_UNKNOWN",
@@ -477,7 +477,7 @@ class RunStore:
     def _limits(self, run_id: str) -> RunLimits | None:
         """The run's budgets as it recorded them (``RunSetup.limits``); None for a run kept
         without them."""
-        from stockade.agent.loop import RunLimits
+        from stockade.agent.limits import RunLimits
 
         rows = self.db.query(f"{select(self.ns, 'run_limits')} WHERE run_id = ?", (run_id,))
         self.mac.check(self.ns, "run_limits", rows, store=self._where)

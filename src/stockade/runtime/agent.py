@@ -45,7 +45,7 @@ from stockade.agent.events import (
     ToolDenied,
     ToolReturned,
 )
-from stockade.agent.loop import GuardContext
+from stockade.agent.settings import GuardContext
 from stockade.exceptions import RunStopped, RuntimeLimit
 from stockade.models.messages import ToolCall
 from stockade.models.pricing import DEFAULT_PRICES, cost_usd

@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel, JsonValue
 
 from stockade import exceptions as exc
-from stockade.agent.loop import RunResult
+from stockade.agent.nodes import RunResult
 from stockade.agent.state import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
 from stockade.models.base import Model

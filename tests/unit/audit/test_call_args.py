@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import JsonValue
 
 from stockade.agent import Agent, RunLimits
-from stockade.agent.loop import MAX_CALL_ARGS_BYTES
+from stockade.agent.limits import MAX_CALL_ARGS_BYTES
 from stockade.agent.state import args_measure
 from stockade.audit import AuditLog, EventKind, verify
 from stockade.audit.agent import ARGS_CAP, TEXT_CAP, AuditObserver
