@@ -28,9 +28,10 @@ from _raw import PRINT1, runsc_run
 
 from stockade import Limits, Sandbox
 from stockade.sandbox import SpareBackend, _guest
+from stockade.sandbox._docker_settings import DEFAULT_IMAGE
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.sandbox.docker import DEFAULT_IMAGE, DockerBackend
+from stockade.sandbox.docker import DockerBackend
 from stockade.sandbox.gvisor import DEFAULT_PLATFORM, RunscBackend
 
 

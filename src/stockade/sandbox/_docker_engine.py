@@ -3,7 +3,7 @@ failures and the transport's translated once into the error tree (``engine_error
 attach stream that carries the supervisor's protocol, and containers removed now or, when
 the engine is down, later.
 
-Apart from ``docker.py``, which plans, starts and collects the sandboxes' containers,
+Apart from ``docker.py`` and its parts, which plan, start and collect the sandboxes' containers,
 because none of this knows what a sandbox is: it is the boundary with a foreign library.
 """
 

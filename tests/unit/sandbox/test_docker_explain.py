@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from stockade.exceptions import SandboxCrashed
-from stockade.sandbox.docker import _ContainerBoundary
+from stockade.sandbox._docker_container import ContainerBoundary
 
 
 class Engine:
@@ -22,7 +22,7 @@ class Engine:
 
 
 def explained(exit_code: int) -> SandboxCrashed:
-    boundary = _ContainerBoundary(Engine(exit_code), "c0ffee", None, [], remote=True)
+    boundary = ContainerBoundary(Engine(exit_code), "c0ffee", None, [], remote=True)
     error = boundary.explain(SandboxCrashed("sandbox is gone: the supervisor exited"))
     assert isinstance(error, SandboxCrashed)
     return error
