@@ -293,9 +293,11 @@ class HostRule:
     ``api.github.com``, not ``github.com``), or an IP literal (``10.0.0.5``, ``::1``), which
     also allows that address. ``ports``: where, for plain HTTP (``http://host:port/``, any of
     them) and for HTTPS (a CONNECT tunnel, which must carry TLS from its first byte to its
-    last); a credential is added over TLS only, never to plain HTTP. ``methods``: empty for
-    any; else only these (for HTTPS the proxy then opens the TLS, with the sandbox's own CA,
-    to see them).
+    last, both ways: a server that does not answer the ClientHello as TLS, such as a
+    non-TLS server on an allowed port, gets the ClientHello's bytes and nothing more); a
+    credential is added over TLS only, never to plain HTTP. ``methods``: empty for any; else
+    only these (for HTTPS the proxy then opens the TLS, with the sandbox's own CA, to see
+    them).
     """
 
     host: str

@@ -8,9 +8,10 @@ see ``docs/architecture.md``) and decides each request with ``Judge``:
   allowed), and connects to an address it checked: a name that rebinds between the check
   and the connection has nothing to rebind. The sandbox has no DNS of its own.
 * **Tunnels carry TLS to the name asked for.** After ``200`` to a CONNECT, the first bytes
-  must be a TLS ClientHello whose SNI is the CONNECT host, and the rest TLS records;
-  anything else closes the tunnel. Plain HTTP goes to any port a rule allows, without
-  credentials: they are added over TLS only.
+  must be a TLS ClientHello whose SNI is the CONNECT host, the server's first answer a
+  TLS ServerHello or alert (until then nothing more goes to it), and the rest of the
+  client's bytes TLS records; anything else closes the tunnel. Plain HTTP goes to any
+  port a rule allows, without credentials: they are added over TLS only.
 * **Opened TLS** (``intercept``): for a host with a credential or with method rules, the
   proxy answers the TLS itself with a certificate from the sandbox's own CA, checks each
   request (method, ``Host``), adds the credential and makes its own verified TLS

@@ -278,10 +278,11 @@ class Flooding:
 
 
 class Stalled(Flooding):
-    """A server that sends without end and never reads (its receive buffer kept small)."""
+    """A server that sends without end and never reads (its receive buffer kept small); its
+    first bytes begin a TLS ServerHello, as a tunnel's server must answer."""
 
     def __init__(self) -> None:
-        super().__init__(b"x" * 65536)
+        super().__init__(b"\x16\x03\x03\x40\x00\x02" + b"x" * (65536 - 6))
 
     def _answer(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

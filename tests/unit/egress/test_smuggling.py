@@ -8,9 +8,11 @@ h11 refuses) is answered ``400`` (``431``) with the reason and recorded, once, w
 connection to a server: on a new connection, on a kept one after a first request, and
 inside a tunnel whose TLS the proxy opened.
 
-A tunnel the proxy splices carries TLS records from the client to its end: plain text after a
-real ClientHello (an inline command for a Redis or an SMTP server on an allowed port) closes
-it unsent.
+A tunnel the proxy splices carries TLS both ways: a server that does not answer the
+ClientHello as TLS (a Redis or an SMTP server on an allowed port) gets the hello and nothing
+more, whatever the client sends after it (records whose header is made up and whose body is
+a command); after a TLS server answered, plain text from the client, or the start of a
+header that is no record's (``QUIT``), closes the tunnel unsent.
 
 A server's answer is bounded the same way: its heads (a final one, and the 1xx ones before
 it, which count against the bytes per minute, are bounded in number and share its deadline).
@@ -38,7 +40,7 @@ import pytest
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop, _streams
 from stockade.egress._feed import HEAD_LINES, INFORMATIONAL_LIMIT, PIECES_PER_TURN, load_h11
 from stockade.egress._streams import Plain
-from stockade.egress._tunnel import MAX_RECORD, Records
+from stockade.egress._tunnel import MAX_RECORD, NotTLS, Records
 from stockade.egress._upstream import UpstreamKey
 from stockade.types import EgressRecord
 from tests.conftest import wait_for
@@ -924,13 +926,21 @@ def _record(kind: int, body: bytes) -> bytes:
 
 
 PLAIN = b"\r\nSET key value\r\n"
+# The start of a TLS server's answer to a ClientHello: a handshake record holding a ServerHello.
+SERVER_HELLO = _record(22, b"\x02\x00\x00\x26\x03\x03" + b"\x00" * 32 + b"\x00\x13\x01\x00")
+# A record header made up in front of plain text, a record as long as one may be: the client's
+# framing alone cannot tell it from TLS, and a server that reads lines runs the second line.
+FAKE_RECORD = _record(23, PLAIN.ljust(MAX_RECORD, b"A"))
 
 
 class Counting:
     """A raw TCP server on 127.0.0.2 that takes one connection and keeps what it got, as it
-    comes, until the connection's end (``ended``); it sends nothing."""
+    comes, until the connection's end (``ended``). Once its first bytes came it sends
+    ``answer`` (by default the start of a TLS server's); ``b""``: it closes instead;
+    ``None``: it never sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: bytes | None = SERVER_HELLO) -> None:
+        self.answer = answer
         self.sock = socket.create_server(("127.0.0.2", 0))
         self.port = int(self.sock.getsockname()[1])
         self.got = b""
@@ -940,8 +950,14 @@ class Counting:
 
     def _serve(self) -> None:
         with contextlib.suppress(OSError), self.sock.accept()[0] as conn:
+            answer = self.answer
             while chunk := conn.recv(65536):
                 self.got += chunk
+                if answer == b"":
+                    break
+                if answer is not None:
+                    conn.sendall(answer)
+                    answer = None
         self.ended.set()
 
     def close(self) -> None:
@@ -951,69 +967,222 @@ class Counting:
         self.thread.join(5)
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["one-send", "after-the-records-went"])
-def test_plain_text_after_a_client_hello_never_reaches_the_server(apart: bool) -> None:
-    """A real ClientHello for the CONNECT host, a TLS record, then a Redis inline command:
-    the command never reaches the server (a raw TCP server on an allowed host and port,
-    counting what it got), the tunnel is closed and its record says why. Sent after the
-    records reached the server, those went and it did not; sent with them, in one read of
-    the proxy's, nothing of that read went. Before, only the first record was checked and
-    the command went through."""
-    server = Counting()
-    records: list[EgressRecord] = []
+@contextlib.contextmanager
+def _spliced(
+    server: Counting, records: list[EgressRecord], answer_timeout_s: float | None = None
+) -> Iterator[tuple[EgressProxy, socket.socket]]:
+    """A proxy that splices tunnels to ``server`` (raw.test), telling ``records``, and a
+    tunnel through it; once done, the proxy closed and the server's connection ended."""
     proxy = EgressProxy(_policy(server), observer=records.append)
+    if answer_timeout_s is not None:
+        proxy.tunnels.answer_timeout_s = answer_timeout_s
     port = _loop.call(proxy.start_tcp())
-    tls = _client_hello("raw.test") + _record(23, b"\x17" * 40)
-    closed = False
     try:
         raw, head = _tunnel(port, f"raw.test:{server.port}")
         with raw:
             assert head.startswith(b"HTTP/1.1 200"), head
-            if apart:
-                raw.sendall(tls)
-                wait_for(lambda: len(server.got) == len(tls), what="the TLS records to reach the server")
-                raw.sendall(PLAIN)
-            else:
-                raw.sendall(tls + PLAIN)
-            raw.settimeout(5)
-            with contextlib.suppress(TimeoutError):
-                closed = raw.recv(65536) == b""  # the proxy closed the tunnel
+            yield proxy, raw
     finally:
         _loop.call(proxy.close())
         server.ended.wait(10)
         server.close()
+
+
+def _until_closed(raw: socket.socket, timeout_s: float = 5.0) -> tuple[bytes, bool]:
+    """What came back through the tunnel, and whether the proxy closed it within ``timeout_s``."""
+    raw.settimeout(timeout_s)
+    got = bytearray()
+    try:
+        while chunk := raw.recv(65536):
+            got += chunk
+    except TimeoutError:
+        return bytes(got), False
+    except ConnectionResetError:  # closed with the client's bytes unread
+        pass
+    return bytes(got), True
+
+
+def _send_on(raw: socket.socket, data: bytes) -> None:
+    """``data`` into the tunnel, as far as the proxy takes it (it may have closed the tunnel)."""
+    with contextlib.suppress(OSError):
+        raw.sendall(data)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["one-send", "after-the-records-went"])
+def test_plain_text_after_a_client_hello_never_reaches_the_server(apart: bool) -> None:
+    """A real ClientHello for the CONNECT host, a TLS record, then a Redis inline command,
+    to a server that answered as TLS servers do: the command never reaches it, the tunnel
+    is closed and its record says why. Sent after the records reached the server, those
+    went and it did not; sent with them, in one read of the proxy's, nothing of that read
+    went. Before, only the first record was checked and the command went through."""
+    server = Counting()
+    records: list[EgressRecord] = []
+    tls = _client_hello("raw.test") + _record(23, b"\x17" * 40)
+    with _spliced(server, records) as (_, raw):
+        if apart:
+            raw.sendall(tls)
+            wait_for(lambda: len(server.got) == len(tls), what="the TLS records to reach the server")
+            raw.sendall(PLAIN)
+        else:
+            raw.sendall(tls + PLAIN)
+        answer, closed = _until_closed(raw)
     assert PLAIN not in server.got and server.got in ((tls,) if apart else (b"", tls))
-    assert closed
+    assert closed and answer == (SERVER_HELLO if server.got else b"")  # the server answers a hello
     (tunnel,) = records
     assert (tunnel.method, tunnel.rule, tunnel.status) == ("CONNECT", "tls (records)", 200)
     assert "no TLS record" in tunnel.reason and tunnel.bytes_out == len(server.got)
 
 
-def _problems(stream: bytes, pieces: list[int]) -> str | None:
-    """``stream`` given to one ``Records`` in pieces of these sizes (the rest as the last)."""
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (b"-ERR unknown command\r\n", "no TLS"),  # a Redis: it reads the hello as a line
+        (_client_hello("raw.test"), "no TLS"),  # an echo: a ClientHello back is no ServerHello
+        (b"", "closed without answering"),
+        (None, "did not answer the TLS ClientHello in 0.5 s"),
+    ],
+    ids=["an-error-line", "an-echo", "closes", "silent"],
+)
+def test_a_server_that_does_not_answer_as_tls_gets_the_client_hello_and_nothing_more(
+    answer: bytes | None, why: str
+) -> None:
+    """A line-based server on an allowed port (a Redis, SMTP, memcached) gets a real
+    ClientHello, then records whose header is made up and whose body is a command, then
+    ``QUIT``: it gets the hello and nothing more, its answer goes nowhere, the tunnel is
+    closed and its record says why. Before, the client's framing alone was checked: the
+    made-up header went through, the server took it for a junk line, and ran the next."""
+    server = Counting(answer)
+    records: list[EgressRecord] = []
+    hello = _client_hello("raw.test")
+    with _spliced(server, records, answer_timeout_s=0.5) as (_, raw):
+        raw.sendall(hello)
+        wait_for(lambda: server.got, what="the hello to reach the server")
+        _send_on(raw, FAKE_RECORD * 3 + b"QUIT")
+        back, closed = _until_closed(raw)
+    assert server.got == hello and back == b"" and closed
+    (tunnel,) = records
+    assert (tunnel.rule, tunnel.status, tunnel.bytes_out, tunnel.bytes_in) == (
+        "tls (server)",
+        200,
+        len(hello),
+        0,
+    )
+    assert why in tunnel.reason
+
+
+def test_what_the_client_sends_before_the_server_answers_waits_unread_and_charged() -> None:
+    """Bytes a client sends after its hello, before the server answered (TLS 1.3 early
+    data; or anything), are not read: they wait in the client's stream, charged to the
+    sandbox's buffer budget and no more than its own cap, then in the kernel's buffers.
+    Nothing of them reaches a server that never answers, and closing gives them back."""
+    server = Counting(None)
+    records: list[EgressRecord] = []
+    hello = _client_hello("raw.test")
+    with _spliced(server, records, answer_timeout_s=3.0) as (proxy, raw):
+        raw.sendall(hello)
+        wait_for(lambda: server.got, what="the hello to reach the server")
+        raw.settimeout(0.5)
+        with contextlib.suppress(TimeoutError):  # until the kernel's buffers too are full
+            for _ in range(256):
+                raw.sendall(_record(23, b"e" * 16384))
+        wait_for(lambda: proxy.gate.buffers.held >= _streams.CHUNK, what="the client's stream to fill")
+        held = proxy.gate.buffers.held
+        assert held <= _streams.CHUNK + 2 * _streams.MIN_READ, held  # its cap, a read, the hello
+        assert server.got == hello
+        back, closed = _until_closed(raw)
+        assert back == b"" and closed
+        wait_for(lambda: proxy.gate.buffers.held == 0, what="the held bytes given back", timeout_s=5)
+    assert server.got == hello
+    assert "did not answer the TLS ClientHello in 3 s" in records[0].reason
+
+
+def test_a_record_header_a_read_ends_inside_waits_for_the_rest_of_it() -> None:
+    """After a TLS server answered: the start of a header goes on only with the rest of it,
+    and ``QUIT`` at a record's end (a command to a server that reads lines) closes the
+    tunnel at once, unsent. Before, both went at once, and the tunnel stayed open."""
+    server = Counting()
+    records: list[EgressRecord] = []
+    hello, record = _client_hello("raw.test"), _record(23, b"x" * 40)
+    with _spliced(server, records) as (_, raw):
+        raw.sendall(hello)
+        assert raw.recv(len(SERVER_HELLO), socket.MSG_WAITALL) == SERVER_HELLO
+        raw.sendall(record[:3])
+        time.sleep(0.3)
+        assert server.got == hello  # the header's start waits
+        raw.sendall(record[3:])
+        wait_for(lambda: server.got == hello + record, what="the whole record to reach the server")
+        raw.sendall(b"QUIT")
+        back, closed = _until_closed(raw)
+    assert server.got == hello + record and back == b"" and closed
+    (tunnel,) = records
+    assert (tunnel.rule, tunnel.bytes_out) == ("tls (records)", len(hello + record))
+
+
+@pytest.mark.parametrize("version", ["TLSv1_2", "TLSv1_3"])
+def test_a_real_tls_server_is_reached_through_a_spliced_tunnel(tmp_path: Path, version: str) -> None:
+    """A TLS session of either version with a real server (its own certificate: the proxy
+    splices, it opens nothing) carries an upload of 4 MiB and its answer."""
+    size = 4 * 1024 * 1024
+    with servers(tmp_path) as local:
+        records: list[EgressRecord] = []
+        proxy = EgressProxy(local.policy(credentials=()), observer=records.append)
+        ctx = ssl.create_default_context(cafile=str(local.ca_file))
+        ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion[version]
+        port = _loop.call(proxy.start_tcp())
+        try:
+            raw, head = _tunnel(port, f"api.test:{local.https_port}")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            with ctx.wrap_socket(raw, server_hostname="api.test") as tls:
+                assert tls.version() == version.replace("_", ".")
+                tls.sendall(b"POST /upload HTTP/1.1\r\nHost: api.test\r\nContent-Length: %d\r\n\r\n" % size)
+                tls.sendall(b"u" * size)
+                answer = bytearray()
+                while not answer.endswith(b" bytes") and (chunk := tls.recv(65536)):
+                    answer += chunk
+        finally:
+            _loop.call(proxy.close())
+        assert local.https_seen.received == [size]
+    assert answer.startswith(b"HTTP/1.") and answer.endswith(b"got %d bytes" % size), answer[-200:]
+    (tunnel,) = records
+    assert (tunnel.method, tunnel.sni, tunnel.status) == ("CONNECT", "api.test", 200)
+    assert tunnel.bytes_out > size and tunnel.bytes_in > len(answer)
+
+
+def _framed(stream: bytes, pieces: list[int]) -> tuple[list[bytes], str | None]:
+    """``stream`` given to one ``Records`` in pieces of these sizes (the rest as the last):
+    what it let go of each, and why it stopped, if it did."""
     records = Records()
 
-    async def check() -> str | None:
+    async def frame() -> tuple[list[bytes], str | None]:
+        out: list[bytes] = []
         at = 0
         for size in [*pieces, len(stream)]:
-            problem = await records.check(stream[at : at + size])
+            try:
+                out.append(await records.framed(stream[at : at + size]))
+            except NotTLS as err:
+                return out, str(err)
             at += size
-            if problem is not None or at >= len(stream):
-                return problem
-        return None
+            if at >= len(stream):
+                break
+        return out, None
 
-    return _loop.call(check())
+    return _loop.call(frame())
+
+
+def _problems(stream: bytes, pieces: list[int]) -> str | None:
+    return _framed(stream, pieces)[1]
 
 
 def test_tls_records_are_followed_across_reads_however_they_are_cut() -> None:
     """Records span reads and a header may be split between two: cut at every place, a
-    stream of records passes, and a header that is no record's is found where it comes."""
+    stream of records passes whole, and a header that is no record's is found where it comes."""
     stream = (
         _client_hello("raw.test") + _record(20, b"\x01") + _record(23, b"x" * MAX_RECORD) + _record(21, b"ab")
     )
     for cut in range(1, len(stream), 7):
-        assert _problems(stream, [cut]) is None
-    assert _problems(stream, [1] * 200) is None  # byte by byte through the hello's header
+        out, problem = _framed(stream, [cut])
+        assert problem is None and b"".join(out) == stream, cut
+    assert _framed(stream, [1] * 200)[1] is None  # byte by byte through the hello's header
     for bad in (
         _record(24, b"x"),
         b"GET / HTTP/1.1\r\n",
@@ -1022,3 +1191,14 @@ def test_tls_records_are_followed_across_reads_however_they_are_cut() -> None:
     ):
         for cut in (1, 3, 5, len(stream) - 2, len(stream) + 2):
             assert _problems(stream + bad, [cut]) is not None, (bad[:8], cut)
+
+
+def test_a_header_a_read_ends_inside_goes_on_only_whole() -> None:
+    """A read that ends inside a header lets go of what comes before it; the header goes
+    with the read that completes it. A start already wrong (``QUIT``) stops at once."""
+    record = _record(23, b"x" * 10)
+    for cut in range(1, 5):
+        assert _framed(record * 2, [len(record) + cut]) == ([record, record], None)
+        assert _framed(record, [cut]) == ([b"", record], None)
+    for start in (b"Q", b"QUIT", b"\x17\x02"):
+        assert _framed(record + start, [len(record) + len(start)])[1] is not None, start
