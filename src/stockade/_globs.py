@@ -23,6 +23,7 @@ __all__ = [
     "literal_glob",
     "may_hold",
     "nfc",
+    "reaches",
     "unpack_filter",
     "workspace_glob",
     "workspace_globs",
@@ -222,6 +223,31 @@ def may_hold(globs: Sequence[str], folder: str) -> bool:
         if prefix.startswith(folder + "/"):
             return True
     return False
+
+
+def reaches(globs: Sequence[str], folder: str, depth: int | None = None) -> bool:
+    """Whether a path beneath ``folder`` (normalised; "" the root), at most ``depth`` levels down
+    (None: any), may match one of ``globs`` or lie in a folder one matches: what a download, a
+    listing or a removal of ``folder`` reaches. A glob's first match lies at its literal prefix
+    (``reports`` of ``reports/**``) or, with wildcards after it, one level below; a folder at or
+    inside that prefix may hold matches at any level (conservatively)."""
+    folder = nfc(folder)
+    for glob in globs:
+        prefix = _prefix(glob)
+        if _within(folder, prefix):
+            return True
+        if not _within(prefix, folder):
+            continue
+        below = prefix.count("/") + 1 - (folder.count("/") + 1 if folder else 0)
+        first = below if _plain(glob) else below + 1
+        if depth is None or first <= depth:
+            return True
+    return False
+
+
+def _within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or lies beneath it ("" is the root, which holds every path)."""
+    return folder in ("", path) or path.startswith(folder + "/")
 
 
 def unpack_filter(

@@ -24,7 +24,7 @@ import httpx2
 import pytest
 from typer.testing import CliRunner
 
-from stockade import Limits
+from stockade import Limits, Sandbox
 from stockade import exceptions as exc
 from stockade.cli.main import app
 from stockade.client import Client, RemoteSandbox
@@ -96,6 +96,9 @@ tools = ["read_file"]
 [roles.analyst]
 tiers = ["process"]
 tools = ["read_file", "list_files", "write_file"]
+[roles.intern]
+tiers = ["process"]
+tools = ["read_file", "list_files", "write_file"]
 """
 
 
@@ -113,6 +116,7 @@ class Acme:
     searcher: str  # a tool of its own, none a sandbox's call amounts to
     locked: str  # of tenant locked, whose policy denies execute
     analyst: str  # of tenant labs, whose data class is kept to read_file
+    intern: str  # of tenant labs, which may neither read nor write its data class
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +136,10 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     searcher, searcher_record = new_token("acme", "searcher")
     locked, locked_record = new_token("locked", "dev")
     analyst, analyst_record = new_token("labs", "analyst")
+    intern, intern_record = new_token("labs", "intern")
     records = (
         admin_record, second_record, dev_record, reader_record, coder_record, searcher_record, locked_record,
-        analyst_record,
+        analyst_record, intern_record,
     )  # fmt: skip
     empty = Tenants(tenants={}, tokens={})
     (folder / "tenants.toml").write_text(
@@ -149,7 +154,7 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     try:
         yield Acme(
             server, folder, admin, admin_record.id, second, second_record.id, dev, reader, coder, searcher,
-            locked, analyst,
+            locked, analyst, intern,
         )  # fmt: skip
     finally:
         server.stop()
@@ -183,6 +188,12 @@ def answers(acme: Acme, token: str, calls: list[Call]) -> dict[str, tuple[int, s
                 answer.json() if answer.headers.get("content-type") == "application/problem+json" else {}
             )
             found[call] = (answer.status_code, problem.get("rule"))
+    return found
+
+
+def answer(acme: Acme, token: str, call: Call) -> tuple[int, str | None]:
+    """One call's status code and the rule its refusal names (``answers``)."""
+    (found,) = answers(acme, token, [call]).values()
     return found
 
 
@@ -599,21 +610,36 @@ def tar_of(name: str, data: bytes) -> bytes:
     return held.getvalue()
 
 
+@contextlib.contextmanager
+def analysts_report(acme: Acme, tmp_path: Path, analyst: Client) -> Iterator[RemoteSandbox]:
+    """A sandbox of labs' analyst holding ``REPORT``. No call of the API writes the class (its
+    ``tools`` are read_file alone), nor uploads it: its file comes from a snapshot of the role's,
+    as a workspace is given to a run."""
+    (tmp_path / REPORT).parent.mkdir(parents=True)
+    (tmp_path / REPORT).write_text("Q3: 42")
+    store = SnapshotStore(acme.folder / "snapshots" / "labs")
+    with Sandbox.create("process", limits=LIMITS, workspace=tmp_path) as local:
+        taken = local.snapshot(store=store)
+    store.set_ref("kept", taken.id, taken.id, source=local.id, role="analyst")
+    try:
+        with RemoteSandbox.create("process", limits=LIMITS, client=analyst, snapshot=taken.id) as sbx:
+            yield sbx
+    finally:
+        analyst.delete_snapshot(taken.id)
+
+
 def test_a_data_class_kept_to_read_file_is_read_through_its_calls_alone(acme: Acme, tmp_path: Path) -> None:
     """``data_access.confidential.tools = ["read_file"]``: the API judges each op with the tool
     its call amounts to, as a run judges each with the tool that issued it. The class's file is
     read (its content, its entry, its folder's download); a listing or a write of the class is
     refused by the class's rule. Before, the API judged every op with no tool, and the class's
     ``tools`` were skipped: its folders were listed, its files overwritten and removed."""
-    (tmp_path / REPORT).parent.mkdir(parents=True)
-    (tmp_path / REPORT).write_text("Q3: 42")
     folder: dict[str, object] = {"params": {"path": "reports/2024"}}
     report: dict[str, object] = {"params": {"path": REPORT}}
     with (
         Client(acme.server.url, acme.analyst) as analyst,
-        RemoteSandbox.create("process", limits=LIMITS, client=analyst) as sbx,
+        analysts_report(acme, tmp_path, analyst) as sbx,
     ):
-        sbx.files.upload_dir(tmp_path)  # the workspace, as a run's is given
         base = f"/v1/sandboxes/{sbx.id}"
         refused = answers(acme, acme.analyst, [
             ("GET", f"{base}/files", folder),  # list_files
@@ -639,3 +665,62 @@ def test_a_data_class_kept_to_read_file_is_read_through_its_calls_alone(acme: Ac
         # outside the class, the role's tools as ever
         sbx.files.write("notes.txt", "read the report")
         assert {e.path for e in sbx.files.list("")} == {"notes.txt", "reports"}
+
+
+def tar_names(data: bytes) -> set[str]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return {name.removeprefix("./") for name in tar.getnames()} - {".", ""}
+
+
+def test_the_root_and_the_class_folder_hold_the_class_for_its_downloads_listings_and_uploads(
+    acme: Acme, tmp_path: Path
+) -> None:
+    """A folder above a class (the root, ``reports``) holds the class: a listing that reaches its
+    files and an archive put that writes them are judged by its rules, as a read or a write of
+    one of its files is. Before, each was judged by its folder alone: a tar put at the root wrote
+    into the class with a tool its ``tools`` leave out, or by a role that may not write it, and
+    ``reports`` was listed with ``list_files``."""
+    root: dict[str, object] = {"params": {"path": ""}}
+    deep: dict[str, object] = {"params": {"path": "", "depth": 2}}
+    into = tar_of("reports/2024/q4.txt", b"Q4: 0")
+    notes = tar_of("notes.txt", b"notes")
+    with (
+        Client(acme.server.url, acme.analyst) as analyst,
+        analysts_report(acme, tmp_path, analyst) as sbx,
+    ):
+        base = f"/v1/sandboxes/{sbx.id}"
+        refused = [
+            answer(acme, acme.analyst, ("GET", f"{base}/files", deep)),  # list_files, to reports/2024
+            answer(acme, acme.analyst, ("GET", f"{base}/files", {"params": {"path": "reports"}})),
+            answer(acme, acme.analyst, ("PUT", f"{base}/archive", {**root, "content": into})),  # write_file
+        ]
+        assert refused == [(403, "data_access.confidential.tools")] * 3
+        # the folder reports, none of its files; a file beside the class
+        assert answer(acme, acme.analyst, ("GET", f"{base}/files", root)) == (200, None)
+        assert answer(acme, acme.analyst, ("PUT", f"{base}/archive", {**root, "content": notes})) == (
+            204,
+            None,
+        )
+        download = sbx.files.download_dir(tmp_path / "out")  # read_file: the class's own tool
+        assert (tmp_path / "out" / REPORT).read_text() == "Q3: 42", download
+        assert not sbx.files.exists("reports/2024/q4.txt")
+
+    with (
+        Client(acme.server.url, acme.intern) as intern,
+        RemoteSandbox.create("process", limits=LIMITS, client=intern) as sbx,
+    ):
+        base = f"/v1/sandboxes/{sbx.id}"
+        put = answer(acme, acme.intern, ("PUT", f"{base}/archive", {**root, "content": into}))
+        assert put == (403, "data_access.confidential.write")
+        assert answer(acme, acme.intern, ("PUT", f"{base}/archive", {**root, "content": notes})) == (
+            204,
+            None,
+        )
+        with httpx2.Client(
+            base_url=acme.server.url, headers={"Authorization": f"Bearer {acme.intern}"}
+        ) as http:
+            whole = http.get(f"{base}/archive", params={"path": ""})
+            listed = http.get(f"{base}/files", params={"path": "", "depth": 32})
+        assert whole.status_code == listed.status_code == 200
+        assert tar_names(whole.content) == {"notes.txt"}  # the whole workspace, none of the class
+        assert {e["path"] for e in listed.json()} == {"notes.txt"}

@@ -7,12 +7,13 @@ strictest: deny beats approve beats allow.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from stockade._globs import covers_below
+from stockade._globs import covers_below, reaches
 from stockade.exceptions import ConfigurationError, TierUnavailable
 from stockade.policy.commands import UnanalysableError, analyse, decide_command, matches
 from stockade.policy.paths import (
@@ -23,7 +24,7 @@ from stockade.policy.paths import (
     tree_allowed,
     writable,
 )
-from stockade.policy.schema import Classification, Policy, Role, Verdict
+from stockade.policy.schema import Classification, DataTier, Policy, Role, Verdict
 from stockade.policy.targets import WORKSPACE, file_access
 from stockade.sandbox import _registry
 from stockade.sandbox.ops import (
@@ -158,6 +159,11 @@ class PolicyEngine:
         tier = self.classification(path)
         if tier is None:
             return ALLOW
+        return self._access(tier, mode, tool, f"{path!r} holds {tier.value} data")
+
+    def _access(self, tier: Classification, mode: Literal["read", "write"], tool: str, what: str) -> Decision:
+        """Whether this role may ``mode`` data of class ``tier`` with ``tool``; ``what`` says
+        where the data is, for the reason."""
         access = self.policy.data_access.get(tier)
         if access is None:
             return ALLOW
@@ -165,14 +171,56 @@ class PolicyEngine:
         if self.role_name is None or self.role_name not in roles:
             return Decision(
                 verdict=Verdict.DENY, rule=f"data_access.{tier.value}.{mode}",
-                reason=f"{path!r} holds {tier.value} data; role {self.role_name!r} may not {mode} it",
+                reason=f"{what}; role {self.role_name!r} may not {mode} it",
             )  # fmt: skip
         if access.tools and tool and tool not in access.tools:
             return Decision(
                 verdict=Verdict.DENY, rule=f"data_access.{tier.value}.tools",
-                reason=f"{path!r} holds {tier.value} data; tool {tool!r} may not touch it",
+                reason=f"{what}; tool {tool!r} may not touch it",
             )  # fmt: skip
         return ALLOW
+
+    def classes_beneath(self, folder: str, depth: int | None = None) -> tuple[DataTier, ...]:
+        """The data classes a path beneath ``folder``, at most ``depth`` levels down (None: any),
+        may hold: the class's own folder and every folder above it hold the class
+        (``reports/**`` lies beneath ``reports`` and the root). None for a path outside."""
+        norm = normalise(folder)
+        if norm is None:
+            return ()
+        return tuple(entry for entry in self.policy.data if reaches(entry.paths, norm, depth))
+
+    def _beneath(
+        self, folder: str, mode: Literal["read", "write"], tool: str, depth: int | None = None
+    ) -> Decision:
+        """An op over a whole folder (a download, a listing to ``depth``, a removal): judged for
+        each data class a path beneath it may hold, as an op on one of its files. A class kept
+        out of this role's sandboxes (``sandbox_rules``) is not: what of it a sandbox holds is
+        what the role's own code wrote there, and a download of the whole workspace by a role
+        that may not read one class would otherwise always be refused."""
+        kept_out = self._kept_out()
+        present = [entry for entry in self.classes_beneath(folder, depth) if entry not in kept_out]
+        return self._classes(folder, present, mode, tool)
+
+    def _classes(
+        self, folder: str, entries: Iterable[DataTier], mode: Literal["read", "write"], tool: str
+    ) -> Decision:
+        return strictest(
+            self._access(entry.tier, mode, tool, f"{folder or '.'!r} may hold {entry.tier.value} data "
+                         f"({', '.join(entry.paths)})")
+            for entry in entries
+        )  # fmt: skip
+
+    def _put(self, op: PutArchive, tool: str) -> Decision:
+        """Each name of the archive as a file written (a class's ``write`` and ``tools``), a
+        class kept out of the role's sandboxes too (the archive would bring it in); an archive
+        the host cannot read is judged for every class beneath its folder."""
+        classes = self.classes_beneath(op.path or ".")
+        if not classes:
+            return ALLOW  # no class to find: the archive is not read here
+        names = op.names()
+        if names is None:  # what it would write is unknown: every class it may reach
+            return self._classes(op.path, classes, "write", tool)
+        return strictest(self._data(posixpath.join(op.path or ".", name), "write", tool) for name in names)
 
     def _path(self, path: str, mode: Literal["read", "write"], tool: str) -> Decision:
         ok = readable(self.policy.paths, path) if mode == "read" else writable(self.policy.paths, path)
@@ -211,19 +259,34 @@ class PolicyEngine:
                 )
             case RunCode():
                 return (("category execute", self.category("execute")),)
-            case ReadFile() | Stat() | ListDir() | GetArchive():
+            case ReadFile() | Stat():
                 return (
                     ("paths (read)", self._path(op.path or ".", "read", tool)),
                     ("category read", self.category("read")),
                 )
-            case WriteFile() | MakeDir() | PutArchive():
+            case ListDir() | GetArchive():
+                depth = op.depth if isinstance(op, ListDir) else None
+                return (
+                    ("paths (read)", self._path(op.path or ".", "read", tool)),
+                    ("data classes beneath (read)", self._beneath(op.path or ".", "read", tool, depth)),
+                    ("category read", self.category("read")),
+                )
+            case WriteFile() | MakeDir():
                 return (
                     ("paths (write)", self._path(op.path or ".", "write", tool)),
                     ("category write", self.category("write")),
                 )
+            case PutArchive():
+                return (
+                    ("paths (write)", self._path(op.path or ".", "write", tool)),
+                    ("data classes of its files (write)", self._put(op, tool)),
+                    ("category write", self.category("write")),
+                )
             case Remove():
+                beneath = self._beneath(op.path, "write", tool) if op.recursive else ALLOW
                 return (
                     ("paths (write)", self._path(op.path, "write", tool)),
+                    ("data classes beneath (write)", beneath),
                     ("category delete", self.category("delete")),
                 )
             case Reset():
@@ -299,18 +362,12 @@ class PolicyEngine:
                 approve.append(pattern)
         hidden = list(p.paths.deny)
         read_only: list[ReadOnly] = []
-        coders = self.code_tools()
+        kept_out = self._kept_out()
         for entry in p.data:
             access = p.data_access.get(entry.tier)
-            if access is None:
-                continue
-            if self.role_name is None or self.role_name not in access.read:
+            if entry in kept_out:
                 hidden += entry.paths
-            elif access.tools and not coders <= set(access.tools):
-                # Code of a tool the class's list leaves out could read it, and no kernel
-                # tells one tool's code from another's: it stays out, for the listed too.
-                hidden += entry.paths
-            elif self.role_name not in access.write:
+            elif access is not None and self.role_name not in access.write:
                 read_only.append(ReadOnly(paths=entry.paths, setting=f"data_access.{entry.tier.value}.write"))
         if hidden or "**" not in (r.strip("/") for r in p.paths.read):
             # A repository's history holds every file it ever had, the ones kept out included
@@ -326,6 +383,22 @@ class PolicyEngine:
             hide=tuple(dict.fromkeys(hidden)),
             read_only=tuple(read_only),
         )
+
+    def _kept_out(self) -> tuple[DataTier, ...]:
+        """The data classes this role's sandboxes are given none of: one it may not read, and
+        one whose ``tools`` leave out a tool of the role that runs code (code of a tool the
+        class's list leaves out could read it, and no kernel tells one tool's code from
+        another's: it stays out, for the listed too)."""
+        coders = self.code_tools()
+        out = []
+        for entry in self.policy.data:
+            access = self.policy.data_access.get(entry.tier)
+            if access is None:
+                continue
+            unreadable = self.role_name is None or self.role_name not in access.read
+            if unreadable or (access.tools and not coders <= set(access.tools)):
+                out.append(entry)
+        return tuple(out)
 
     def code_tools(self) -> frozenset[str]:
         """The tools of this role that may run code of the caller's choosing in the sandbox:

@@ -8,6 +8,8 @@ so that ``instance.execute(op)`` and ``await instance.aexecute(op)`` are typed b
 
 from __future__ import annotations
 
+import io
+import tarfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +176,13 @@ class HostFolder:
 
         return tar_chunks(self.source, self.hide, self.read, size)
 
+    def names(self) -> list[str]:
+        """The names its tar holds (what ``chunks`` sends), folders before what they hold."""
+        from stockade.sandbox._requests import upload_entries  # lazily, as chunks
+
+        kept, _ = upload_entries(self.source, self.hide, self.read)
+        return [name for _, name, _ in kept]
+
 
 @dataclass(frozen=True, kw_only=True)
 class PutArchive(Op[None]):
@@ -186,6 +195,17 @@ class PutArchive(Op[None]):
     folder: HostFolder | None = None
     path: str = ""
     area: Area = "workspace"
+
+    def names(self) -> list[str] | None:
+        """The names the archive holds, relative to ``path``; None for ``data`` that is no tar
+        the host can read (the sandbox refuses it too)."""
+        if self.folder is not None:
+            return self.folder.names()
+        try:
+            with tarfile.open(fileobj=io.BytesIO(self.data), mode="r:*") as tar:
+                return tar.getnames()
+        except (tarfile.TarError, EOFError, OSError):
+            return None
 
 
 # What one download may bring to the host unless the caller says otherwise.
