@@ -110,7 +110,7 @@ def _hand_over(decide: Callable[[Exception], Scheduled | None], err: Exception) 
     raise scheduled from None
 
 
-def _scheduled_delay(err: Exception) -> bool | float:
+def _scheduled_delay(err: BaseException) -> bool | float:
     return err.delay_s if isinstance(err, Scheduled) else False
 
 
