@@ -9,6 +9,7 @@ can reach it, loopback included).
 
 from __future__ import annotations
 
+import fcntl
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,17 +25,22 @@ pytestmark = pytest.mark.docker
 
 
 @pytest.fixture
-def remote() -> Iterator[DockerBackend]:
+def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerBackend]:
     """The mode, and the supervisor's volumes it made removed after (the suite leaves no trace;
-    a user's engine keeps its volume: one per supervisor version, filled once)."""
+    a user's engine keeps its volume: one per supervisor version, filled once). The tests of
+    this mode take turns across a parallel run's workers (a lock file of the run's): one's new
+    volume, removed at its end, was in use by another's container (409), or would be removed
+    from under it, and then no test removed it."""
     require_tier("docker")
-    backend = DockerBackend(remote=True)
-    api = backend._api()
-    before = {v["Name"] for v in api.volumes(filters={"label": _guest.LABEL}).get("Volumes") or []}
-    yield backend
-    for volume in api.volumes(filters={"label": _guest.LABEL}).get("Volumes") or []:
-        if volume["Name"] not in before:
-            api.remove_volume(volume["Name"])
+    with open(tmp_path_factory.getbasetemp().parent / "docker-remote.lock", "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # released as the file closes
+        backend = DockerBackend(remote=True)
+        api = backend._api()
+        before = {v["Name"] for v in api.volumes(filters={"label": _guest.LABEL}).get("Volumes") or []}
+        yield backend
+        for volume in api.volumes(filters={"label": _guest.LABEL}).get("Volumes") or []:
+            if volume["Name"] not in before:
+                api.remove_volume(volume["Name"])
 
 
 def mounts_of(backend: DockerBackend, sbx: Sandbox) -> dict[str, dict[str, Any]]:
