@@ -165,7 +165,7 @@ class CpuGroups:
     group, so that what it starts (bwrap, the supervisor, the command) is born there, and
     the group's usage is the start's CPU, the sandbox's own included, which the rusage of
     this process cannot see (the sandbox's processes are killed at close, never reaped by
-    us). Our threads move themselves (``tasks``: no wait on the kernel's global lock)."""
+    us). This thread moves every thread of ours (``tasks``: no wait on the kernel's global lock)."""
 
     def __init__(self, folders: dict[str, str]) -> None:
         self.folders = folders

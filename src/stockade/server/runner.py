@@ -45,6 +45,7 @@ from pydantic import TypeAdapter, ValidationError
 from stockade import exceptions as exc
 from stockade.agent import RunLimits, RunStatus
 from stockade.assembly import AgentConfig, AgentSession, build_agent
+from stockade.assembly.guards import record_denial
 from stockade.audit.events import EventKind
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
@@ -474,11 +475,7 @@ class Runner:
             return
         trail = self.audit.get(tenant)
         trail.continue_sealing(run_id)
-        trail.record(
-            EventKind.POLICY_DECISION, run_id=run_id, actor="policy",
-            attributes={"decision": "deny", "level": "check", "rule": denied.rule, "reason": str(denied),
-                        "action": denied.action},
-        )  # fmt: skip
+        record_denial(trail, run_id, "check", denied)
         trail.flush()
 
     def _as_stored(self, run_id: str) -> RunOutcome:
