@@ -115,21 +115,23 @@ class Tunnels:
             entry.tell(replace(record, status=502, reason=f"cannot reach {host}: {err}"))
             return
         counts = [0, 0]
+        # Why a side broke TLS, kept before the cleanup: a pump cancelled there ends the
+        # client's stream, so the client may see the end (and close the proxy, cutting the
+        # cleanup) before ``_splice`` returns; the record says why all the same.
+        broken: list[NotTLS] = []
         try:
-            broken = await self._splice(client, upstream, hello, counts)
+            await self._splice(client, upstream, hello, counts, broken)
         except BaseException as err:  # cut mid-way: what it carried until then, and why it ended
-            entry.tell(replace(record, status=200, bytes_out=counts[0], bytes_in=counts[1],
-                               reason=cut_reason(err)))  # fmt: skip
+            entry.tell(carried(record, counts, broken, cut_reason(err)))
             raise
-        record = replace(record, status=200, bytes_out=counts[0], bytes_in=counts[1])
-        if broken is not None:
-            record = replace(record, rule=broken.rule, reason=str(broken))
-        entry.tell(record)
+        entry.tell(carried(record, counts, broken, ""))
 
-    async def _splice(self, client: Plain, upstream: Plain, first: bytes, counts: list[int]) -> NotTLS | None:
+    async def _splice(
+        self, client: Plain, upstream: Plain, first: bytes, counts: list[int], broken: list[NotTLS]
+    ) -> None:
         """Send the ClientHello, wait for the server's TLS answer, then copy both ways until
-        both ends are done or one is lost; why the tunnel was cut, if a side broke TLS (what
-        broke it is not sent)."""
+        both ends are done or one is lost; ``broken`` gets why the tunnel was cut, if a side
+        broke TLS (what broke it is not sent)."""
         records = Records()
         pumps: list[asyncio.Task[None]] = []
         try:
@@ -147,10 +149,10 @@ class Tunnels:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 failed = [task.exception() for task in done if not task.cancelled() and task.exception()]
                 if failed:
-                    return next((err for err in failed if isinstance(err, NotTLS)), None)
-            return None
+                    broken.extend(err for err in failed if isinstance(err, NotTLS))
+                    return
         except NotTLS as err:
-            return err
+            broken.append(err)
         finally:
             for task in pumps:
                 task.cancel()
@@ -301,6 +303,15 @@ class Records:
             self.head = head_checked(data[pos:size])
             return held + data[:pos]
         return held + data if held else data
+
+
+def carried(record: EgressRecord, counts: list[int], broken: list[NotTLS], cut: str) -> EgressRecord:
+    """A spliced tunnel's record once it ended: the bytes it carried each way, and why it
+    ended: a side that broke TLS (its rule, the first one), else ``cut`` if it was cut."""
+    record = replace(record, status=200, bytes_out=counts[0], bytes_in=counts[1])
+    if broken:
+        return replace(record, rule=broken[0].rule, reason=str(broken[0]))
+    return replace(record, reason=cut) if cut else record
 
 
 def head_checked(head: bytes) -> bytes:
