@@ -18,7 +18,8 @@ from stockade.audit.log import AuditLog
 from stockade.audit.redact import Redactor, SecretValues, redact_tokens
 from stockade.audit.sandbox import AuditedBackend, AuditedInstance
 from stockade.audit.stores import AuditStore, Head, MemoryStore, Row, SQLiteStore, open_store
-from stockade.audit.verify import Problem, ProblemKind, VerifyReport, verify, verify_run
+from stockade.audit.verify import verify, verify_run
+from stockade.audit.verify_report import Problem, ProblemKind, VerifyReport
 
 __all__ = [
     "GENESIS",

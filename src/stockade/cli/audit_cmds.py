@@ -28,9 +28,9 @@ from stockade._private import replace_private
 from stockade._sqlite_reader import SQLiteReader
 from stockade._state import sqlite_files, sqlite_path
 from stockade.audit.events import AuditEvent
+from stockade.audit.ledger import RunsLedger
 from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
-from stockade.audit.verify import RunsLedger
 from stockade.audit.verify import verify as verify_store
 from stockade.cli._console import CliConsole, escape, print_json
 

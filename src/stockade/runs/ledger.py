@@ -19,8 +19,8 @@ from pydantic import BaseModel, ValidationError
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunStatus, ToolCallRecord
+from stockade.audit.ledger import LedgerCall
 from stockade.audit.redact import Redactor
-from stockade.audit.verify import LedgerCall
 from stockade.models.messages import ToolCall
 from stockade.runs._db import Database, Statement
 from stockade.runs._mac import RowMac, select

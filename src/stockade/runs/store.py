@@ -55,9 +55,9 @@ from typing import TYPE_CHECKING
 from stockade import exceptions as exc
 from stockade._checks import check_id, check_number, check_strings, check_text
 from stockade.agent.state import RunState, RunStatus, ToolCallRecord
+from stockade.audit.ledger import ForgedRow, LedgerCall
 from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
-from stockade.audit.verify import ForgedRow, LedgerCall
 from stockade.models.messages import ToolCall
 from stockade.policy.schema import Policy
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement, display_url

@@ -40,7 +40,8 @@ from fastapi.responses import StreamingResponse
 
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
-from stockade.audit.verify import RunsLedger, verify
+from stockade.audit.ledger import RunsLedger
+from stockade.audit.verify import verify
 from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all

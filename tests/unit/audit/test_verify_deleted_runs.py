@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore, verify
-from stockade.audit.verify import ProblemKind
+from stockade.audit.verify_report import ProblemKind
 from stockade.cli.main import app
 from stockade.models import ScriptedModel, tool_call
 from stockade.runs import open_run_store

@@ -14,7 +14,7 @@ from stockade import Sandbox
 from stockade.agent import Agent
 from stockade.audit import AuditLog, EventKind, MemoryStore, SQLiteStore, verify
 from stockade.audit.agent import AuditObserver
-from stockade.audit.verify import ForgedRow, LedgerCall
+from stockade.audit.ledger import ForgedRow, LedgerCall
 from stockade.cli.main import app
 from stockade.models.scripted import ScriptedModel, Turn, tool_call
 from stockade.runs import open_run_store

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from stockade.audit.events import Chain, Draft, EventKind
+from stockade.audit.ledger import ForgedRow, LedgerCall
 from stockade.audit.stores import Row, SQLiteStore
-from stockade.audit.verify import ForgedRow, LedgerCall, ProblemKind, verify, verify_run
+from stockade.audit.verify import verify, verify_run
+from stockade.audit.verify_report import ProblemKind
 
 KEY = b"k" * 32
 MINE = "mine"

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from stockade.agent.state import RunState
 from stockade.audit import SQLiteStore, verify
-from stockade.audit.verify import ProblemKind
+from stockade.audit.verify_report import ProblemKind
 from stockade.cli.main import app
 from stockade.policy import ApprovalRequest, ApprovalStore
 from stockade.runs import open_run_store
