@@ -34,6 +34,8 @@ from typing import Any
 from stockade import SnapshotStore
 from stockade.sandbox import _guest, _rules, microvm
 from stockade.sandbox._microvm_instance import VMBoundary
+from stockade.sandbox._microvm_launch import Launch
+from stockade.sandbox._microvm_settings import START_TIMEOUT_S
 from stockade.sandbox._supervised import sandbox_id, supervisor_config
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import RunCode
@@ -85,7 +87,7 @@ def launch(
     fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
     start = time.perf_counter()
     boundary, stream = backend._launch(
-        spec, sandbox_id(spec), masks, microvm.Launch(ram=ram, incoming=True, fds=(fd,))
+        spec, sandbox_id(spec), masks, Launch(ram=ram, incoming=True, fds=(fd,))
     )
     timeline = Timeline(boundary)
     timeline.last = start
@@ -118,7 +120,7 @@ def one_start(backend: microvm.MicroVMBackend) -> dict[str, tuple[float, float, 
         timeline.step(STEPS[2])
         config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, None)
         config["report_oom"] = True
-        instance.handshake(config, microvm.START_TIMEOUT_S, rules)
+        instance.handshake(config, START_TIMEOUT_S, rules)
         timeline.step(STEPS[3])
         first_runs(instance, timeline, start, STEPS[4:])
     finally:

@@ -4,8 +4,9 @@ it listens; ``S``: reseed and set the clock; ``N``: written places noexec; ``D``
 caches dropped), the QMP monitor, and the instance whose memory a
 snapshot keeps (QEMU's migration to a file).
 
-Apart from ``microvm.py``, which plans, launches, and restores guests (the QEMU command line,
-boot images), because this is what lives as long as one sandbox does.
+Apart from ``microvm.py`` and its parts, which plan, launch, and restore guests (the QEMU
+command line in ``_microvm_machine``, boot images in ``_microvm_snapshots``), because this is
+what lives as long as one sandbox does.
 """
 
 from __future__ import annotations
