@@ -24,7 +24,7 @@ from stockade import LimitNotEnforceable, Limits, PathEscapeError, Sandbox
 from stockade.models import ToolCall
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.schema import Policy
-from stockade.sandbox.supervisor import execrules
+from stockade.sandbox.supervisor import execnpm
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
 from stockade.types import EntryType, ExecRecord, Mechanism, SandboxRules
 from tests.conftest import require, require_tier
@@ -343,7 +343,7 @@ def test_a_script_given_to_its_interpreter_is_judged_as_the_script(tier: str) ->
 def test_an_interpreters_long_command_line_is_refused_unread_not_judged_for_minutes(tier: str) -> None:
     # 15,000 `-r x` pairs given to node: the judge read each word as a possible script, a copy
     # of the whole rest each, and the sandbox ended "out of memory" with the code using none
-    # (found from outside). Past execrules.MAX_SCRIPTS such words the exec is refused.
+    # (found from outside). Past execruns.MAX_SCRIPTS such words the exec is refused.
     sbx = _rules_or_refusal(tier, SandboxRules(approve=("ldd --version",)))
     if sbx is None:
         return
@@ -826,7 +826,7 @@ def test_a_rule_over_npm_install_holds_over_every_spelling_npm_takes(tier: str) 
         derefs = sbx.commands.run(NPM_DEREF)
         assert derefs.exit_code == 0, derefs
         read = json.loads(derefs.stdout)
-        assert len(read) > 400 and {w: execrules.npm_command(w) for w in read} == read
+        assert len(read) > 400 and {w: execnpm.npm_command(w) for w in read} == read
 
 
 # npm's commands that install as `npm install` does (they reify node_modules, adding what the

@@ -3,7 +3,7 @@
 A command is split into the simple commands it would run: ``sh -c "a && b | c"`` is three;
 wrappers (``env``, ``sudo``, ``timeout 5``, ``nice``, ``xargs``, ...) and ``python -m`` are
 looked through (the interpreter's command line read as CPython reads it, ``python3 -Impip``
-too: ``execrules.command_line``, the supervisor's own reading), and a script given to python,
+too: ``execruns.command_line``, the supervisor's own reading), and a script given to python,
 a shell or another interpreter is judged by the deny and approve rules as the program it is
 part of too (``python3 .../pip/__main__.py``: ``pip``; ``node /usr/bin/npm``: ``npm``). What
 cannot be analysed (command substitution, a variable as the program, ``eval``) is denied: the
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from stockade._display import visible
 from stockade.policy.schema import CommandRules, Verdict
-from stockade.sandbox.supervisor import execrules
+from stockade.sandbox.supervisor import execrules, execruns
 
 __all__ = ["CommandDecision", "allows", "analyse", "decide_command", "matches", "simple_commands"]
 
@@ -85,18 +85,18 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
                 at += 1
             argv = argv[at + WRAPPERS[name] :]
             continue
-        run = execrules.command_line(argv) if name.startswith("python") else None
+        run = execruns.command_line(argv) if name.startswith("python") else None
         if run is not None and run[0] == "-m":  # python3 -Impip x runs pip x
             layers.append(tuple(argv))
-            argv = execrules.subject(argv)
+            argv = execruns.subject(argv)
             continue
         # a script: python3 .../pip/__main__.py x is pip x to deny and approve, node
-        # /usr/bin/npm x is npm x (any word an unread interpreter may run: execrules.scripts)
+        # /usr/bin/npm x is npm x (any word an unread interpreter may run: execruns.scripts)
         scripts = _runs(argv)
         if scripts:
             layers.extend(tuple(command) for command in scripts)
             return argv
-        carried = execrules.carried([name], argv)  # ld.so PROGRAM ..., busybox APPLET ...
+        carried = execruns.carried([name], argv)  # ld.so PROGRAM ..., busybox APPLET ...
         if carried is not None:
             layers.append(tuple(argv))
             argv = carried[1] if carried[0] is None else [carried[0], *carried[1][1:]]
@@ -106,10 +106,10 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
 
 
 def _runs(argv: list[str]) -> list[list[str]]:
-    """``execrules.runs``: what an interpreter's argv runs; unanalysable past what is read."""
+    """``execruns.runs``: what an interpreter's argv runs; unanalysable past what is read."""
     try:
-        return execrules.runs(argv)
-    except execrules.TooMany as error:
+        return execruns.runs(argv)
+    except execruns.TooMany as error:
         raise UnanalysableError(str(error)) from None
 
 
@@ -243,7 +243,7 @@ def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
         )  # fmt: skip
     approval: CommandDecision | None = None
     # ``python3 -m pytest`` is analysed as ``pytest``: an allow rule may name either
-    modules = {tuple(execrules.subject(layer)): layer for layer in layers if _runs_module(layer)}
+    modules = {tuple(execruns.subject(layer)): layer for layer in layers if _runs_module(layer)}
     # Deny and approve rules see wrappers too (``sudo``, ``sh -c``); the allowlist sees what runs.
     for command in (*layers, *commands):
         shown = visible(shlex.join(command))
@@ -271,7 +271,7 @@ def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
 
 
 def _runs_module(argv: Sequence[str]) -> bool:
-    run = execrules.command_line(argv) if argv and _program(argv[0]).startswith("python") else None
+    run = execruns.command_line(argv) if argv and _program(argv[0]).startswith("python") else None
     return run is not None and run[0] == "-m"
 
 

@@ -52,7 +52,7 @@ _STRICTNESS = {Verdict.ALLOW: 0, Verdict.APPROVE: 1, Verdict.DENY: 2}
 # Category of a simple command, by pattern (first match wins; everything runs code: "execute").
 # A pattern holds over the program's other spellings (pip3, python3 -m pip); `npm install`
 # over each of npm's and over what installs as it does: ci, update, dedupe, prune, uninstall,
-# link, rebuild, exec, npx, audit fix, init x (execrules.npm_installs).
+# link, rebuild, exec, npx, audit fix, init x (execnpm.npm_installs).
 _INSTALLS = (
     "pip install", "uv pip", "uv add", "uv tool install", "uvx", "pipx install", "pipx run",
     "easy_install*", "npm install", "yarn add", "yarn install", "yarn dlx", "pnpm add",

@@ -31,7 +31,7 @@ from stockade import exceptions as exc
 from stockade._globs import may_hold
 from stockade.sandbox._builds import take_away
 from stockade.sandbox.base import SandboxSpec
-from stockade.sandbox.supervisor import execrules
+from stockade.sandbox.supervisor import execrules, execruns
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS, MAX_EXEC_WORD
 from stockade.types import ExecRecord, Mechanism, ReadOnly, SandboxRules
 
@@ -44,7 +44,7 @@ PROGRAM_DIRS = ("usr/local/bin", "usr/bin", "bin", "usr/sbin", "sbin", "usr/libe
 IMAGE_TREES = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Changed by the package manager at every install and removal: part of an image's stamp.
 PACKAGE_STATE = ("var/lib/dpkg/info", "var/lib/rpm", "lib/apk/db")
-MULTI_CALL = execrules.MULTICALL  # one binary, many programs: denied with any of them
+MULTI_CALL = execruns.MULTICALL  # one binary, many programs: denied with any of them
 # What every tier runs of the image itself: the supervisor's interpreter.
 SUPERVISOR_PROGRAMS = ("python3",)
 

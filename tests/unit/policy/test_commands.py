@@ -111,7 +111,7 @@ def test_a_program_given_to_another_interpreter_is_judged_as_itself(line: str) -
 
 def test_an_interpreters_command_line_past_what_is_read_is_refused_not_read_in_quadratic_time() -> None:
     """50 KB of `node -r x -r x ...` took the host's policy check 65 s and 2.3 GB (found from
-    outside): past execrules.MAX_SCRIPTS words that may be the script, it is unanalysable."""
+    outside): past execruns.MAX_SCRIPTS words that may be the script, it is unanalysable."""
     decision = decide_command(
         CommandRules(approve=("npm install",)), ["node", *["-r", "x"] * 10_000, "-e", "0"]
     )
@@ -406,13 +406,13 @@ def test_every_installer_is_in_the_install_category(line: str) -> None:
 
 
 def test_the_example_policy_asks_before_npm_installs_inside_the_sandbox_by_any_spelling() -> None:
-    from stockade.sandbox.supervisor import execrules
+    from stockade.sandbox.supervisor import execrules, execruns
 
     rules = PolicyEngine(_example()).sandbox_rules()
     approve = [shlex.split(p) for p in rules.approve]
     for line in (*NPM_INSTALL_SPELLINGS, *NPM_INSTALLING, "npm ci", "npm x cowsay", "npx -y cowsay"):
-        argv = execrules.subject(shlex.split(line))
-        argv = next(iter(execrules.runs(argv)), argv)  # node /usr/bin/npm x: npm x
+        argv = execruns.subject(shlex.split(line))
+        argv = next(iter(execruns.runs(argv)), argv)  # node /usr/bin/npm x: npm x
         assert execrules.judge({"approve": approve}, argv)[0] == "approve", line
     assert execrules.judge({"approve": approve}, ["npm", "run", "build"])[0] == "allow"
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stockade.sandbox.supervisor import execrules
+from stockade.sandbox.supervisor import execgit, execnpm, execrules
 from tests.conftest import require
 
 ALLOW = [["python3", "-m", "pytest"], ["git", "status"]]
@@ -122,7 +122,7 @@ def test_options_before_gits_command_never_make_an_allow_rule_hold_over_another_
     allowed = execrules.allows(["git", "status"], argv)
     if allowed:
         assert command == "status", argv
-    known = all(o[0] in execrules.GIT_VALUED | execrules.GIT_FLAGS or "=" in o[0] for o in options)
+    known = all(o[0] in execgit.GIT_VALUED | execgit.GIT_FLAGS or "=" in o[0] for o in options)
     if command == "status" and known:
         assert allowed, argv
 
@@ -151,11 +151,11 @@ def test_options_before_npms_command_never_make_an_allow_rule_hold_over_another_
     allowed = execrules.allows(["npm", "test"], argv)
     at = words.index("--") if "--" in words else len(words)
     runs = words[at + 1] if at + 1 < len(words) else command  # the word after a --, if any
-    flags, short = execrules.NPM_FLAGS, execrules.NPM_SHORT_FLAGS
+    flags, short = execnpm.NPM_FLAGS, execnpm.NPM_SHORT_FLAGS
     surely = all(
         "=" in w or w.startswith("--no-") or w[2:] in flags or set(w[1:]) <= short for w in words[:at]
     )
-    assert allowed == (surely and execrules.npm_command(runs) == "test"), argv
+    assert allowed == (surely and execnpm.npm_command(runs) == "test"), argv
 
 
 PYTHON_OPTIONS = st.sampled_from([["-I"], ["-B"], ["-W", "ignore"], ["-Wignore"], ["-X", "dev"], ["-c", "x"]])

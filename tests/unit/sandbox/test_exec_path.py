@@ -1,6 +1,6 @@
 """What an exec is judged as is what the kernel runs: the path (a ".." is the parent of where
 the links before it lead, not of the name written before it: execjudge.exec_path), and for a
-script its interpreter too, with the argv the kernel gives it (execrules.interpreted)."""
+script its interpreter too, with the argv the kernel gives it (execruns.interpreted)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ from hypothesis import strategies as st
 @pytest.fixture(scope="module")
 def execrules(execjudge: Any) -> Any:
     return importlib.import_module("execrules")
+
+
+@pytest.fixture(scope="module")
+def execruns(execjudge: Any) -> Any:
+    return importlib.import_module("execruns")
 
 
 def test_a_dot_dot_after_a_link_is_the_parent_of_its_target(execjudge: Any, tmp_path: Path) -> None:
@@ -70,8 +75,8 @@ SCRIPTS = {
 
 
 @pytest.mark.parametrize("head", list(SCRIPTS))
-def test_a_script_is_judged_as_the_kernel_runs_its_interpreter(execrules: Any, head: bytes) -> None:
-    interpreter, argv = execrules.interpreted(head, "/w/s", ["s", "a"])
+def test_a_script_is_judged_as_the_kernel_runs_its_interpreter(execruns: Any, head: bytes) -> None:
+    interpreter, argv = execruns.interpreted(head, "/w/s", ["s", "a"])
     assert (interpreter, argv) == (SCRIPTS[head][0], SCRIPTS[head])
 
 
@@ -85,8 +90,8 @@ def test_a_script_is_judged_as_the_kernel_runs_its_interpreter(execrules: Any, h
         b"",
     ],
 )
-def test_what_is_no_script_runs_no_interpreter(execrules: Any, head: bytes) -> None:
-    assert execrules.interpreted(head[: execrules.SCRIPT_HEAD], "/w/s", ["s"]) is None
+def test_what_is_no_script_runs_no_interpreter(execruns: Any, head: bytes) -> None:
+    assert execruns.interpreted(head[: execruns.SCRIPT_HEAD], "/w/s", ["s"]) is None
 
 
 @pytest.mark.parametrize(
@@ -112,17 +117,17 @@ def test_what_is_no_script_runs_no_interpreter(execrules: Any, head: bytes) -> N
     ],
 )
 def test_an_interpreter_given_a_script_runs_the_script(
-    execrules: Any, argv: str, runs: list[str] | None
+    execruns: Any, argv: str, runs: list[str] | None
 ) -> None:
-    assert execrules.script_run(shlex.split(argv)) == runs
+    assert execruns.script_run(shlex.split(argv)) == runs
 
 
-def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_scripts(execrules: Any) -> None:
+def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_scripts(execruns: Any) -> None:
     """judge.c sends an exec to Python as an interpreter's by the globs of INTERPRETERS (its T
     entries): each of them must be one that scripts reads a script file from."""
-    for pattern in execrules.INTERPRETERS:
+    for pattern in execruns.INTERPRETERS:
         name = pattern.replace("*", "3.11")
-        assert execrules.scripts([name, "/w/s", "a"]) == [["/w/s", "a"]], name
+        assert execruns.scripts([name, "/w/s", "a"]) == [["/w/s", "a"]], name
 
 
 @given(
@@ -138,7 +143,7 @@ def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_scrip
     args=st.lists(st.sampled_from(["install", "-r", "--force", "x", "-", "--"]), max_size=4),
 )
 def test_any_word_an_unread_interpreter_may_run_as_its_script_is_judged_as_one(
-    execrules: Any, interpreter: str, options: list[tuple[str, bool]], args: list[str]
+    execruns: Any, interpreter: str, options: list[tuple[str, bool]], args: list[str]
 ) -> None:
     """node, perl, ruby: their options are not read here, and some take the next word as a
     value (node -r MODULE, perl -I DIR). Whichever do, the script is among the words judged
@@ -147,25 +152,25 @@ def test_any_word_an_unread_interpreter_may_run_as_its_script_is_judged_as_one(
     for option, valued in options:
         argv += [option, "value"] if valued else [option]
     for script in ([*argv, "/usr/bin/npm", *args], [*argv, "--", "/usr/bin/npm", *args]):
-        assert ["/usr/bin/npm", *args] in execrules.scripts(script), script
-    assert ["npm", *args] in execrules.runs([*argv, "/usr/bin/npm", *args])
+        assert ["/usr/bin/npm", *args] in execruns.scripts(script), script
+    assert ["npm", *args] in execruns.runs([*argv, "/usr/bin/npm", *args])
 
 
 def test_what_an_interpreter_may_run_is_read_to_a_bound_never_in_copies_of_the_whole_argv(
-    execrules: Any,
+    execruns: Any,
 ) -> None:
     """Each word that may be the script was a copy of the argv's rest: 50 KB of `node -r x -r
     x ...` made N copies of N words (65 s and 2.3 GB of the host's policy check; the sandbox's
     judge ran out of memory: found from outside). Past MAX_SCRIPTS words the command is not
     read (refused), and a Python script's path gives at most MAX_SCRIPTS folders."""
-    bound = execrules.MAX_SCRIPTS
-    assert len(execrules.scripts(["node", *["-r", "x"] * (bound - 1), "/usr/bin/npm", "i"])) == bound
-    with pytest.raises(execrules.TooMany):
-        execrules.scripts(["node", *["-r", "x"] * bound, "/usr/bin/npm", "i"])
-    with pytest.raises(execrules.TooMany):
-        execrules.runs(["perl", *["-I", "x"] * 10_000])
+    bound = execruns.MAX_SCRIPTS
+    assert len(execruns.scripts(["node", *["-r", "x"] * (bound - 1), "/usr/bin/npm", "i"])) == bound
+    with pytest.raises(execruns.TooMany):
+        execruns.scripts(["node", *["-r", "x"] * bound, "/usr/bin/npm", "i"])
+    with pytest.raises(execruns.TooMany):
+        execruns.runs(["perl", *["-I", "x"] * 10_000])
     deep = "/".join(f"d{i}" for i in range(5_000)) + "/pip/__main__.py"
-    found = execrules.runs(["python3", deep, *["a"] * 5_000])
+    found = execruns.runs(["python3", deep, *["a"] * 5_000])
     assert len(found) <= bound + 2 and ["pip", *["a"] * 5_000] in found
 
 
@@ -194,9 +199,9 @@ PIP_SPELLINGS = [
 
 
 @pytest.mark.parametrize("line", PIP_SPELLINGS)
-def test_every_spelling_of_running_pip_through_python_runs_pip(execrules: Any, line: str) -> None:
+def test_every_spelling_of_running_pip_through_python_runs_pip(execruns: Any, line: str) -> None:
     assert ["pip", "install", "x"] in [
-        [execrules.program(command[0]), *command[1:]] for command in execrules.runs(shlex.split(line))
+        [execruns.program(command[0]), *command[1:]] for command in execruns.runs(shlex.split(line))
     ]
 
 
@@ -216,18 +221,18 @@ def test_every_spelling_of_running_pip_through_python_runs_pip(execrules: Any, l
     ],
 )
 def test_an_interpreters_command_line_is_read_as_the_interpreter_reads_it(
-    execrules: Any, line: str, reads: tuple[str, list[str]] | None
+    execruns: Any, line: str, reads: tuple[str, list[str]] | None
 ) -> None:
-    assert execrules.command_line(shlex.split(line)) == reads
+    assert execruns.command_line(shlex.split(line)) == reads
 
 
-def test_a_module_is_its_top_level_package_and_a_script_each_folder_on_its_path(execrules: Any) -> None:
-    assert execrules.subject(["python3", "-m", "pip.__main__", "x"]) == ["pip", "x"]
-    assert execrules.runs(["python3", "/opt/tool/pip/run.py", "x"]) == [
+def test_a_module_is_its_top_level_package_and_a_script_each_folder_on_its_path(execruns: Any) -> None:
+    assert execruns.subject(["python3", "-m", "pip.__main__", "x"]) == ["pip", "x"]
+    assert execruns.runs(["python3", "/opt/tool/pip/run.py", "x"]) == [
         ["/opt/tool/pip/run.py", "x"], ["run", "x"], ["opt", "x"], ["tool", "x"], ["pip", "x"],
     ]  # fmt: skip
-    assert execrules.runs(["bash", "/opt/pip/s", "x"]) == [["/opt/pip/s", "x"]]  # a shell's script is itself
-    assert execrules.runs(["python3", "-c", "pass"]) == []
+    assert execruns.runs(["bash", "/opt/pip/s", "x"]) == [["/opt/pip/s", "x"]]  # a shell's script is itself
+    assert execruns.runs(["python3", "-c", "pass"]) == []
 
 
 # What CPython itself does with a command line drawn from its options: each word one of these.
@@ -257,7 +262,7 @@ def cpython_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(words=st.lists(st.sampled_from(CPYTHON_WORDS), max_size=6))
 def test_the_reading_of_pythons_command_line_is_cpythons(
-    execrules: Any, cpython_folder: Path, words: list[str]
+    execruns: Any, cpython_folder: Path, words: list[str]
 ) -> None:
     """The parser and CPython agree on every command line drawn: the module or script that
     runs, and the argv it gets (or that none runs: -c, standard input, an error)."""
@@ -266,7 +271,7 @@ def test_the_reading_of_pythons_command_line_is_cpythons(
         argv, check=False, cwd=cpython_folder, stdin=subprocess.DEVNULL, capture_output=True, text=True
     )
     ran = next((line for line in done.stdout.splitlines() if line.startswith("RAN ")), None)
-    reads = execrules.command_line(argv)
+    reads = execruns.command_line(argv)
     if ran is None:  # nothing ran: code given as text, standard input, or no such file or module
         assume("usage:" not in done.stderr)  # a usage error (-W with no value, -a): python ran nothing
         if reads is not None:

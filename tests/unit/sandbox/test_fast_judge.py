@@ -29,7 +29,7 @@ SUPERVISOR = Path(_judge.SOURCE).parent
 
 LOADER = "/lib64/ld-linux-x86-64.so.2"
 NAMES = ["rm", "ls", "git", "python3", "sh", "true", "cp", "pip", "cat", "x", "ré"]
-NAMES += ["busybox", "ld-linux-x86-64.so.2"]  # what carries another program (execrules.carried)
+NAMES += ["busybox", "ld-linux-x86-64.so.2"]  # what carries another program (execruns.carried)
 NAMES += ["pip3", "git-push", "rm2"]  # a rule's program by another name (execrules.rule_names)
 GLOBS = ["r*", "*", "?s", "g?t", "[rl]s", "py*", "*t", "c?"]
 WORDS = ["-r", "-f", "-R", "--force", "push", "install", "-m", "pip", "x", "--"]

@@ -16,6 +16,7 @@ import os
 
 import confine
 import execrules
+import execruns
 from execrules import build_id
 from protocol import MAX_EXEC_ARGV
 from rules import E2BIG, ENOENT, EPERM, kept_argv, record
@@ -133,7 +134,7 @@ class ExecJudge:
         # search's next folder) is refused as it was. Refusals only: an allow kept so let a
         # script that rewrote itself run as what it became, unjudged and unrecorded.
         self._refused: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
-        self.carrying = False  # the exec judged last runs another program (execrules.carried)
+        self.carrying = False  # the exec judged last runs another program (execruns.carried)
         self._builds: "Dict[Tuple[int, ...], Optional[bytes]]" = {}  # stamp -> ELF build ID
         self._program_builds: "Optional[Dict[bytes, Set[str]]]" = None  # build ID -> rule programs
         # (path, the file's stamp, argv) -> the judge's verdict and rule
@@ -212,7 +213,7 @@ class ExecJudge:
                 # "own": whether the call's approval may answer for it (jobs.Job.own)
                 ask = {"id": job.rid, "ev": "approve", "req": self.requests, **done, "own": job.own}
                 runs = self.found.get(rule or "")
-                if runs and runs != [execrules.program(argv[0]) if argv else "", *argv[1:]]:
+                if runs and runs != [execruns.program(argv[0]) if argv else "", *argv[1:]]:
                     # exec -a true rm -r x, a copy of rm named true, a #!/bin/rm -r script:
                     # the argv shows `true -r x`; the human is asked about `rm -r x`
                     words = self._rules.get(rule or "", [])
@@ -308,7 +309,7 @@ class ExecJudge:
         literal: "Dict[str, List[List[str]]]" = {}
         globs: "List[List[str]]" = []
         for words in map(execrules.pattern, patterns):  # git-push x is git's: git push x
-            if execrules.GLOB_CHARS & set(words[0]):
+            if execruns.GLOB_CHARS & set(words[0]):
                 globs.append(words)
             else:
                 literal.setdefault(words[0], []).append(words)
@@ -320,7 +321,7 @@ class ExecJudge:
         for filed in execrules.rule_names(name):  # pip3 -> pip, git-push -> git
             found += literal.get(filed, [])
             if globs:
-                found += [w for w in globs if execrules._glob(filed, w[0])]
+                found += [w for w in globs if execruns.glob(filed, w[0])]
         return found
 
     def judge(
@@ -337,7 +338,7 @@ class ExecJudge:
         """The strictest verdict over every name the program goes by: the path it was run as,
         the file that path leads to, the name it was given (argv[0]: a multi-call binary's
         applet), and the names of the programs its content is a copy of. An interpreter is
-        also judged as the module or script it runs (``execrules.runs``: ``python3 -Im X``
+        also judged as the module or script it runs (``execruns.runs``: ``python3 -Im X``
         as X), and what a loader or a multi-call binary runs as what it is
         (``ld.so /bin/rm -r x`` as ``rm -r x``, ``busybox rm -r x`` as ``rm -r x``), and a
         script also as its interpreter with the argv the kernel gives it (``#!/bin/rm -r``).
@@ -348,7 +349,7 @@ class ExecJudge:
         target = self._in_view(pid, path)
         if st is None:
             st = os.stat(target)
-        outside = not execrules.in_image(os.path.realpath(target))
+        outside = not execruns.in_image(os.path.realpath(target))
         try:
             head, copies = self._read(target, st, outside)
         except OSError as exc:
@@ -365,18 +366,18 @@ class ExecJudge:
         masked = copies & self._masked_names
         if masked and verdict[0] != "deny":  # masked: it runs under no name
             verdict = "deny", f"masked: a copy of {min(masked)}, which the rules let run under no name"
-        script = execrules.interpreted(head, path, argv)
+        script = execruns.interpreted(head, path, argv)
         if script is not None:  # the kernel runs its interpreter with no exec to judge
             if depth >= MAX_CARRIED:
                 return TOO_DEEP
             # An interpreter outside the image can change while the script does not (by
             # "..", /usr/bin/../../tmp/x is outside it): its verdict is not kept.
-            if not execrules.in_image(script[0]) or "/.." in script[0]:
+            if not execruns.in_image(script[0]) or "/.." in script[0]:
                 self.carrying = True
             carried_script = self._judge_carried(pid, *script, depth, listed=False, interpreting=path)
             verdict = _strictest(verdict, carried_script)
         verdict = _strictest(verdict, self._scripts(pid, files, argv, depth, interpreting))
-        carried = execrules.carried(sorted(files), argv)
+        carried = execruns.carried(sorted(files), argv)
         if carried is None:
             return verdict
         if depth >= MAX_CARRIED:
@@ -384,7 +385,7 @@ class ExecJudge:
         self.carrying = True
         inner, inner_argv = carried
         if inner is None:  # an applet: the same file, by the applet's name (listed by it, or not)
-            applet = execrules.program(inner_argv[0])
+            applet = execruns.program(inner_argv[0])
             applet_as = (
                 ({applet} & self._listed.get(_file(st), set()), inner_argv[1:])
                 if listed_as is not None
@@ -399,7 +400,7 @@ class ExecJudge:
     def _scripts(
         self, pid: int, files: "Set[str]", argv: "List[str]", depth: int, interpreting: "Optional[str]"
     ) -> "Tuple[str, Optional[str]]":
-        """The verdict on the script files an interpreter runs (``execrules.scripts``), each
+        """The verdict on the script files an interpreter runs (``execruns.scripts``), each
         judged as the file it is, as if it were run itself: a link or a copy of a program
         a rule names (``python3 build/link-to-pip install``, ``node /usr/bin/npm install``)
         is that program, not the words of its path. Only the deny and approve rules judge
@@ -407,8 +408,8 @@ class ExecJudge:
         found: "Dict[Tuple[int, str], List[str]]" = {}  # each a tail of argv: known by its length
         for name in sorted(files | ({os.path.basename(argv[0])} if argv else set())):
             try:
-                candidates = execrules.scripts([name, *argv[1:]])
-            except execrules.TooMany as error:
+                candidates = execruns.scripts([name, *argv[1:]])
+            except execruns.TooMany as error:
                 return "deny", f"{error}, past what is judged"
             for s in candidates:
                 if s[0] != interpreting:
@@ -471,8 +472,8 @@ class ExecJudge:
         for name in names:  # by what the file is too, not argv[0] only (exec -a)
             # python3 -Impip x, python3 /usr/bin/pip x, python3 .../pip/__main__.py x: pip x
             try:
-                commands = execrules.runs([name, *args])
-            except execrules.TooMany as error:
+                commands = execruns.runs([name, *args])
+            except execruns.TooMany as error:
                 return "deny", f"{error}, past what is judged"
             for command in commands:
                 candidates.append((os.path.basename(command[0]), command[1:]))
@@ -520,13 +521,13 @@ class ExecJudge:
         between this look and the interpreter's open): its names and ``args``; None else."""
         for at in range(1, min(len(argv), MAX_ENV_WORDS + 2)):
             script = argv[at]
-            if not execrules.in_image(script) or "/." in script:
+            if not execruns.in_image(script) or "/." in script:
                 continue
             try:
-                if not execrules.in_image(os.path.realpath(script)):
+                if not execruns.in_image(os.path.realpath(script)):
                     continue
                 names = self._listed.get(_file(os.stat(script)))
-                runs = execrules.env_runs(_head(script)) if names else None
+                runs = execruns.env_runs(_head(script)) if names else None
             except OSError:
                 continue
             if names and runs is not None and argv[1:at] == runs[1:] and self._is_program(st, runs[0]):
@@ -741,10 +742,10 @@ def _head(path: str) -> bytes:
     fd = _open(path)
     try:
         size = os.fstat(fd).st_size
-        head = os.read(fd, execrules.SCRIPT_HEAD)
+        head = os.read(fd, execruns.SCRIPT_HEAD)
     finally:
         os.close(fd)
-    if len(head) < min(size, execrules.SCRIPT_HEAD):
+    if len(head) < min(size, execruns.SCRIPT_HEAD):
         raise OSError(EIO, "a short read")
     return head
 

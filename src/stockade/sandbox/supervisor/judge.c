@@ -98,7 +98,7 @@ typedef int i32;
 #define MAX_PATTERNS 512
 #define MAX_SIZES 512
 #define MAX_DIRS 16
-#define MAX_INTERPRETERS 32 /* execrules.INTERPRETERS, with room */
+#define MAX_INTERPRETERS 32 /* execruns.INTERPRETERS, with room */
 #define MAX_ARGS 4096
 #define RECORD_MAX 4096 /* PIPE_BUF: a write this size is whole or not at all */
 #define RECORD_FILE 0x80000000u /* in a record's count of words: the file that ran follows */
@@ -241,8 +241,8 @@ static u64 parse_num(const char *s)
 /* Entries separated by NULs, each a letter and its text: P a deny/approve program, F the
  * path of a file an allowlist's rule of one word allows (rules.judge_config), L an allowlist
  * is in force, S a program size, M the argv kept, D a folder of programs, N a program whose size (in each D folder) is one (find_sizes), T a
- * program (a glob) that runs a script file it is given (execrules.INTERPRETERS) and G a
- * folder of the image (execrules.IMAGE_FOLDERS). */
+ * program (a glob) that runs a script file it is given (execruns.INTERPRETERS) and G a
+ * folder of the image (execruns.IMAGE_FOLDERS). */
 static void parse(struct rules *r, const char *cfg, int len)
 {
     const char *end = cfg + len;
@@ -429,7 +429,7 @@ static int extends(const char *name, const char *pat)
     return glob(bare, pat) != NO;
 }
 
-/* Whether a program of this name runs a script file it is given (execrules.script_run). */
+/* Whether a program of this name runs a script file it is given (execruns.script_run). */
 static int interpreter(const struct rules *r, const char *name)
 {
     for (int i = 0; i < r->n_interpreters; i++)
@@ -457,7 +457,7 @@ static int allows(const struct rules *r, const char *names[3], int n_names, cons
         if (!ascii(names[i]))
             return 0;
     /* An interpreter given a script or a module (python3 -m) is judged as what it runs too
-     * (execrules.script_run, execrules.subject): any first argument but -c is Python's to
+     * (execruns.script_run, execruns.subject): any first argument but -c is Python's to
      * read (sh -c, python3 -c: answered here). */
     if (argc > 1 && !same(argv1, "-c"))
         for (i = 0; i < n_names; i++)
@@ -621,7 +621,7 @@ static long no_magic_lstat(const char *path, u64 *st)
 }
 
 /* Whether ``path`` (the file's, links followed) is in one of the image's folders, which code
- * cannot write (the G entries: execrules.IMAGE_FOLDERS). */
+ * cannot write (the G entries: execruns.IMAGE_FOLDERS). */
 static int in_image(const struct rules *r, const char *path)
 {
     for (int i = 0; i < r->n_image; i++)
@@ -774,7 +774,7 @@ static int judge(struct ctx *c, const struct notif *n)
     if (c->rules.n_sizes && !in_image(&c->rules, c->real))
         goto out;
     /* A script: the kernel runs the interpreter its first line names, with no exec of its
-     * own to judge (#!/bin/rm -r). Python judges the two (execrules.interpreted). */
+     * own to judge (#!/bin/rm -r). Python judges the two (execruns.interpreted). */
     if (script(c->real))
         goto out;
 

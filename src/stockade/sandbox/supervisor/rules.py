@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 # Where the programs a rule names are looked for, to know their copies by their content.
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
-# The files of the programs that run another one their arguments name (execrules.carried:
+# The files of the programs that run another one their arguments name (execruns.carried:
 # the dynamic loader, multi-call binaries), so that a copy of one is known by its content as
 # a rule's program is.
 CARRIER_FILES = (
@@ -548,11 +548,12 @@ def kept_argv(argv: "List[str]") -> "List[str]":
 def _programs(words: "List[str]") -> "Tuple[str, ...]":
     """The program a rule's first word names, the one it is matched as (``git-push`` is
     ``git push``: ``execrules.pattern``), and the programs that are its commands under their
-    own name (``npx`` is ``npm exec``: ``execrules.SHORTHANDS``)."""
-    import execrules  # type: ignore[import-not-found]  # judge_config loads it at every start under rules
+    own name (``npx`` is ``npm exec``: ``execnpm.SHORTHANDS``)."""
+    import execnpm  # type: ignore[import-not-found]  # judge_config loads it at every start under rules
+    import execrules  # type: ignore[import-not-found]
 
     name = execrules.pattern(words)[0]
-    shorthands = (short for short, (of, _) in execrules.SHORTHANDS.items() if of == name)
+    shorthands = (short for short, (of, _) in execnpm.SHORTHANDS.items() if of == name)
     return tuple(dict.fromkeys((words[0], name, *shorthands)))
 
 
@@ -611,7 +612,7 @@ def judge_config(
     # rules over argv, and under an allowlist (which the loader is on, so that what is listed
     # runs: a link named as a listed program that leads to it would run any file). Under
     # denials alone the masks hold it (no denied file to load), judged alike all the same.
-    from execrules import IMAGE_FOLDERS, INTERPRETERS, LOADERS, MULTICALL  # type: ignore[import-not-found]
+    from execruns import IMAGE_FOLDERS, INTERPRETERS, LOADERS, MULTICALL  # type: ignore[import-not-found]
 
     entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
     entries += [f"T{name}" for name in INTERPRETERS] + [f"G{folder}" for folder in IMAGE_FOLDERS]

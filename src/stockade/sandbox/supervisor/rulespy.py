@@ -116,10 +116,10 @@ def let_own_exec_through(rules: "Any", listener: int) -> None:
 def program_sizes(commands: "Dict[str, List[List[str]]]") -> "Dict[int, List[str]]":
     """The sizes of the programs the rules name, and their paths: a file of another size is
     no copy of one (neither judge hashes it). judge.c's find_sizes finds the same, but for
-    the interpreters' files (``execrules.INTERPRETER_FILES``), which Python alone looks for:
+    the interpreters' files (``execruns.INTERPRETER_FILES``), which Python alone looks for:
     judge.c sends every file outside the image here under such rules, and a copy of one can
     only be there; a size of theirs in judge.c would send the image's own shells too."""
-    from execrules import INTERPRETER_FILES
+    from execruns import INTERPRETER_FILES
 
     names = program_names(commands)
     names = names | set(INTERPRETER_FILES) if names else names
