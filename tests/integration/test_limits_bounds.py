@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stockade import Limits, Sandbox
-from stockade.types import _LIMIT_RANGES
+from stockade.types._limits import _LIMIT_RANGES
 from tests.conftest import require_tier
 
 pytestmark = pytest.mark.process
