@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _builds, _host, _rules, _trusted
+from stockade.sandbox import _builds, _host, _rules_binds, _rules_copies, _trusted
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary
@@ -285,7 +285,7 @@ def mask_binds(
     masks: tuple[str, ...], *, root: Path | None, state_dir: Path, rundir: Path | None
 ) -> list[tuple[str, str]]:
     """What a gVisor sandbox binds over its masked programs, as its kernel ignores masked
-    paths (``_rules.own_kernel_binds``): an empty file only root may read over each, or
+    paths (``_rules_binds.own_kernel_binds``): an empty file only root may read over each, or
     masked copies of their folders, made (as root) of the image's files on this host at
     ``root``. ``rundir``, the sandbox's run folder, lists the copies: garbage collection
     keeps them while it is there."""
@@ -294,11 +294,13 @@ def mask_binds(
     cover = str(unreadable_file(state_dir))
     cache = None
     if root is not None and rundir is not None and os.geteuid() == 0:
-        cache = _rules.MaskCache(_rules.masked_folders(), functools.partial(_rules.masks_in_use, state_dir))
-    binds = _rules.own_kernel_binds(root, masks, cover, cache)
+        cache = _rules_copies.MaskCache(
+            _rules_copies.masked_folders(), functools.partial(_rules_copies.masks_in_use, state_dir)
+        )
+    binds = _rules_binds.own_kernel_binds(root, masks, cover, cache)
     copies = [source for source, _ in binds if source != cover]
     if copies and rundir is not None:
-        (rundir / _rules.MASKS_FILE).write_text("".join(f"{copy}\n" for copy in copies))
+        (rundir / _rules_copies.MASKS_FILE).write_text("".join(f"{copy}\n" for copy in copies))
     return binds
 
 
@@ -467,7 +469,7 @@ def oci_config(
 ) -> dict[str, Any]:
     """The ``config.json`` of a bundle: the same limits Docker applies to its containers.
     ``mask_binds``: (host source, inside path) bound read-only over the masked programs, as
-    gVisor does not apply maskedPaths (``_rules.own_kernel_binds``)."""
+    gVisor does not apply maskedPaths (``_rules_binds.own_kernel_binds``)."""
     limits = spec.limits
     period = 100_000
     mounts: list[dict[str, Any]] = [

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _builds, _guest, _rules, _trusted
+from stockade.sandbox import _builds, _guest, _rules_programs, _trusted
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root
 
 MiB = 1024 * 1024
@@ -396,9 +396,10 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 
 
 def image_programs(rootfs: Path) -> tuple[str, ...]:
-    """The ELF programs of the guest's image that an allowlist may mask (``_rules.elf_programs``),
+    """The ELF programs of the guest's image that an allowlist may mask (``_rules_programs.elf_programs``),
     in the order of /stockade/programs."""
-    return tuple(sorted(inside for inside, _ in _rules.elf_programs(rootfs, _rules.image_stamp(rootfs))))
+    programs = _rules_programs.elf_programs(rootfs, _rules_programs.image_stamp(rootfs))
+    return tuple(sorted(inside for inside, _ in programs))
 
 
 def mask_args(rootfs: Path, masks: tuple[str, ...]) -> str:

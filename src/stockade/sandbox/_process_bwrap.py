@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from stockade.sandbox import _rules
+from stockade.sandbox import _rules_binds, _rules_copies
 from stockade.sandbox._hostinfo import bwrap_masks
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.base import SandboxSpec
@@ -151,11 +151,13 @@ def build_shared(
 def mask_options(
     root: Path, masks: tuple[str, ...], rundir: Path, *, state_dir: Path, is_root: bool
 ) -> list[str]:
-    cache = _rules.MaskCache(_rules.masked_folders(), functools.partial(_rules.masks_in_use, state_dir))
-    binds = _rules.mask_binds(root, masks, cache if is_root else None)
+    cache = _rules_copies.MaskCache(
+        _rules_copies.masked_folders(), functools.partial(_rules_copies.masks_in_use, state_dir)
+    )
+    binds = _rules_binds.mask_binds(root, masks, cache if is_root else None)
     copies = [source for source, _ in binds if source != "/dev/null"]
     if copies:  # the copies this sandbox binds: garbage collection keeps them
-        _write_new(rundir / _rules.MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
+        _write_new(rundir / _rules_copies.MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
     return [option for source, path in binds for option in ("--ro-bind", source, path)]
 
 
@@ -176,7 +178,7 @@ def bwrap_options(
     """bwrap's options (they name the run folder: they go in a file descriptor, not argv).
     ``masks``: programs the rules deny, each covered by /dev/null bound without its device
     (nodev), or their folder by a copy in which they are empty files only root may read
-    (``_rules.mask_binds``): they can be neither read, nor copied, nor run.
+    (``_rules_binds.mask_binds``): they can be neither read, nor copied, nor run.
 
     ``joined``: the user and pid namespaces the template made (fds), which bwrap joins;
     it makes the others, and the template's pid 1 does the rest of what these options

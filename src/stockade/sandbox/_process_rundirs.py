@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stockade.sandbox import _builds, _cgroups, _rules
+from stockade.sandbox import _builds, _cgroups, _rules_copies
 from stockade.sandbox._host import (
     claim_folder,
     claimed,
@@ -102,5 +102,7 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
     removed += _cgroups.collect("sbx-", lambda name: (base / name).exists(), dead.__contains__)
     if os.geteuid() == 0:
         # what the live sandboxes of every tier bind (the dead process ones' folders are gone)
-        removed += _rules.collect_masked(_rules.masked_folders(), _rules.masks_in_use(base))
+        removed += _rules_copies.collect_masked(
+            _rules_copies.masked_folders(), _rules_copies.masks_in_use(base)
+        )
     return removed

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _rules
+from stockade.sandbox import _rules_execs
 from stockade.sandbox.ops import Area
 from stockade.sandbox.supervisor.protocol import MAX_NAME, MAX_TEXT, MAX_VALUE
 from stockade.types import (
@@ -127,7 +127,7 @@ def judged_execs(final: dict[str, Any], between: dict[str, Any] | None) -> Judge
     supervisor handed over in a frame of their own just before it (``between``), then the
     call's own; the count of those past what each frame keeps."""
     before = JudgedExecs() if between is None else judged_between(between)
-    own = _rules.exec_records(final)
+    own = _rules_execs.exec_records(final)
     omitted = max(0, int_field(final.get("exec_count")) - len(own))
     return JudgedExecs(execs=before.execs + own, execs_omitted=before.execs_omitted + omitted)
 
@@ -135,7 +135,7 @@ def judged_execs(final: dict[str, Any], between: dict[str, Any] | None) -> Judge
 def judged_between(h: dict[str, Any]) -> JudgedExecs:
     """The execs judged while no call ran, as a ``between`` frame or a ``TakeExecs`` answer
     hands them over."""
-    execs = _rules.exec_records(h, between=True)
+    execs = _rules_execs.exec_records(h, between=True)
     return JudgedExecs(execs=execs, execs_omitted=max(0, int_field(h.get("exec_count")) - len(execs)))
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from stockade import _exit
 from stockade import exceptions as exc
 from stockade._display import visible
-from stockade.sandbox import _rules
+from stockade.sandbox import _rules, _rules_execs
 from stockade.sandbox._approver import ANSWER_BY, answered, cut_requested
 from stockade.sandbox._boundary import Boundary, EgressHandle
 from stockade.sandbox._channel import Channel, Stream
@@ -696,7 +696,7 @@ class SupervisedInstance(Instance):
     def _approve(self, h: dict[str, Any], answer_by: float) -> None:
         """An exec inside waits for a human: ask the sandbox's approver, answer the supervisor.
         Past ``answer_by`` (the call's approval_wait_s spent) an async approver is given up."""
-        (record,) = _rules.exec_records({"execs": [h]})
+        (record,) = _rules_execs.exec_records({"execs": [h]})
         record = dataclasses.replace(record, own_code=h.get("own") is True)
         approver = self.spec.approver
         waiting = ANSWER_BY.set(answer_by)

@@ -88,7 +88,7 @@ class ExecJudge:
         listed: "Optional[Dict[str, List[str]]]" = None,
     ) -> None:
         """``masked``: what the host read of the programs the tier masks before they were
-        masked (``_rules.masked_identities``): [names, size, sha256, build ID in hex].
+        masked (``_rules_programs.masked_identities``): [names, size, sha256, build ID in hex].
         ``listed``: under an allowlist, the files of the programs it names and the names
         each is listed by (``rulespy.allowlist``)."""
         self.sup = sup

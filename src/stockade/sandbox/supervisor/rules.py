@@ -94,7 +94,7 @@ class Rules:
             for kind in ("deny", "approve", "allow")
         }
         self.write = cfg.get("write")  # None: the whole workspace is writable
-        # What the host read of the programs the tier masks (``_rules.masked_identities``): no
+        # What the host read of the programs the tier masks (``_rules_programs.masked_identities``): no
         # one here can read them, and a copy of one brought in is judged as it (execjudge).
         self.masked = [
             entry for entry in cfg.get("masked") or () if isinstance(entry, list) and len(entry) == 4
