@@ -22,6 +22,7 @@ from stockade import (
     Limits,
     NetworkPolicy,
     Sandbox,
+    SandboxRules,
     SnapshotCorrupt,
     SnapshotIncompatible,
     SnapshotKind,
@@ -46,6 +47,8 @@ def tick():
 threading.Thread(target=tick, daemon=True).start()
 time.sleep(0.3)
 """
+# So many programs masked that gVisor gets whole folders as masked copies (_rules_binds).
+ALLOWLIST = SandboxRules(allow=("python3", "sh", "ls", "cat"))
 
 
 @pytest.fixture(scope="module", params=["runsc", "docker"])
@@ -308,3 +311,43 @@ def test_a_gvisor_sandbox_with_an_allowlist_keeps_files_only(
         with pytest.raises(LimitNotEnforceable, match="allowlist"):
             sbx.snapshot(store=store, memory=True)
         assert sbx.snapshot(store=store).kind is SnapshotKind.FILES
+
+
+def test_a_container_with_a_commands_allowlist_keeps_files_and_says_so_up_front(
+    store: SnapshotStore, no_sandbox_left: None
+) -> None:
+    """Under Docker an allowlist's masked copies of program folders are bound into the
+    container, and a restore cannot bind them again: the default snapshot keeps the files,
+    and one that must keep memory is refused before the store holds anything, with a fix
+    that works (memory=None is what asks for memory where it can be kept)."""
+    require_tier("gvisor")
+    docker = GVisorBackend(mode="docker")
+    report = docker.probe()
+    require("memory snapshots under Docker", "keep memory" in report.detail, report.detail)
+    with Sandbox.create(backend=docker, limits=LIMITS, rules=ALLOWLIST, allow_weaker=True) as sbx:
+        sbx.run_code("x = 3")
+        with pytest.raises(LimitNotEnforceable, match="masked copy of /usr/bin") as refused:
+            sbx.snapshot(store=store, memory=True)
+        assert refused.value.fix == "pass memory=False to keep the files only"
+        assert not [p for p in store.root.rglob("*") if p.is_file() and p.name != "lock"]
+        assert sbx.snapshot(store=store).kind is SnapshotKind.FILES
+        assert sbx.run_code("x").text == "3"  # the sandbox runs on
+
+
+def test_a_gvisor_sandbox_run_by_runsc_keeps_its_memory_under_a_commands_allowlist(
+    store: SnapshotStore, no_sandbox_left: None
+) -> None:
+    """Run by stockade's own runsc, a restore makes the same masked copies again (the masks
+    are part of the machine key): memory is kept, and the restored sandbox is as confined."""
+    require_tier("gvisor")
+    report = RunscBackend().probe()
+    require("gVisor run by stockade's own runsc", report.available, report.detail)
+    runsc = GVisorBackend(mode="runsc")
+    with Sandbox.create(backend=runsc, limits=LIMITS, rules=ALLOWLIST, allow_weaker=True) as sbx:
+        sbx.run_code("x = 3")
+        snap = sbx.snapshot(store=store)
+    assert snap.kind is SnapshotKind.MEMORY
+    with Sandbox.create(snapshot=snap, store=store, backend=runsc) as fork:
+        assert fork.run_code("x").text == "3"
+        assert fork.commands.run("cat /etc/hostname").exit_code == 0
+        assert fork.commands.run("head -1 /etc/hostname").exit_code != 0  # still masked

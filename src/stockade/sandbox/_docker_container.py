@@ -225,7 +225,7 @@ class ContainerInstance(SupervisedInstance):
                 "gVisor under Docker keeps memory in a snapshot only with a local engine and root "
                 "(its runsc and the sandbox's files are then on this host); this one keeps files only"
             )
-        return None
+        return self.memory.refusal()
 
     def save_memory(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
         if self.memory is None:

@@ -64,6 +64,8 @@ COMPRESSION = "--compression=none"
 KERNEL_MOUNTS = frozenset({"proc", "tmpfs", "devpts", "sysfs", "mqueue", "cgroup"})
 BIND_ROLES = ("workspace", "tmp", "shm", "supervisor", "passwd", "group", "null", "unreadable")
 EGRESS_REFUSAL = "a gVisor sandbox with an egress allowlist keeps files only in a snapshot"
+# memory=None is the call that keeps memory where the tier can: only False asks for files.
+FILES_ONLY_FIX = "pass memory=False to keep the files only"
 
 RunscCall = Callable[..., None]
 
@@ -388,7 +390,7 @@ def container_mounts(config: dict[str, Any], sources: dict[str, Path]) -> Docker
                 raise exc.LimitNotEnforceable(
                     f"the container binds {source} at {dest}, which a restore cannot bind again",
                     setting="snapshot memory",
-                    fix="pass memory=None to keep the files",
+                    fix=FILES_ONLY_FIX,
                 )
             mounts.append((dest, "bind", role, options))
         elif kind in KERNEL_MOUNTS:
@@ -397,7 +399,7 @@ def container_mounts(config: dict[str, Any], sources: dict[str, Path]) -> Docker
             raise exc.LimitNotEnforceable(
                 f"the container has a {kind!r} mount at {dest}, which a restore cannot make again",
                 setting="snapshot memory",
-                fix="pass memory=None to keep the files",
+                fix=FILES_ONLY_FIX,
             )
     return DockerLayout(image="", uid=0, mounts=tuple(mounts))
 
@@ -426,6 +428,7 @@ class ContainerMemory:
         image: str,
         folder: Path,
         masks: tuple[str, ...],
+        mask_binds: tuple[tuple[str, str], ...],
         uid: int,
         state_dir: Path,
     ) -> None:
@@ -438,6 +441,7 @@ class ContainerMemory:
         self.image = image
         self.folder = folder
         self.masks = masks
+        self.mask_binds = mask_binds  # (host source, inside path): what the masks are bound as
         self.uid = uid
 
     def _argv(self) -> tuple[list[str], int]:
@@ -495,9 +499,9 @@ class ContainerMemory:
             raise exc.SnapshotError("the container's runsc state names another sandbox than the engine's")
         return config
 
-    def save(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        argv, pid = self._argv()
-        sources = {
+    def _sources(self) -> dict[str, Path]:
+        """What each role of ``BIND_ROLES`` is on this host, for this container."""
+        return {
             "workspace": self.rundir / "workspace",
             "tmp": self.rundir / "tmp",
             "shm": self.rundir / "shm",
@@ -507,7 +511,24 @@ class ContainerMemory:
             "null": Path("/dev/null"),
             "unreadable": _guest.unreadable_file(self.state_dir),
         }
-        mounts = container_mounts(self._config(argv, pid), sources).mounts
+
+    def refusal(self) -> str | None:
+        """Why this container's memory cannot be kept, known from its start (None: it can).
+        A commands allowlist masks whole folders of programs by binding masked copies of them
+        (``_rules_binds.mask_binds``): a restore binds again only the roles of ``BIND_ROLES``.
+        Said before a snapshot reserves room, so that ``memory=None`` keeps the files."""
+        roles = {str(path.resolve()) for path in self._sources().values()}
+        for source, dest in self.mask_binds:
+            if str(Path(source).resolve()) not in roles:
+                return (
+                    f"a gVisor container whose command rules bind a masked copy of {dest} keeps "
+                    "files only in a snapshot (a restore cannot bind that copy again)"
+                )
+        return None
+
+    def save(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        argv, pid = self._argv()
+        mounts = container_mounts(self._config(argv, pid), self._sources()).mounts
         layout = DockerLayout(image=self.image, uid=self.uid, mounts=mounts)
 
         def runsc(*args: str, check: bool = True) -> None:

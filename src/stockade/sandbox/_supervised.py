@@ -426,10 +426,14 @@ class SupervisedInstance(Instance):
             )
         why = self.memory_snapshots()
         if op.memory and why is not None:
+            # memory=None would keep memory where it could: only False asks for files
+            fix = "pass memory=False to keep the files only"
+            if self.tier not in ("microvm", "gvisor"):
+                fix += ", or use the microvm or gvisor tier"
             raise exc.LimitNotEnforceable(
                 f"{why}; this snapshot must keep the memory of the processes",
                 setting="snapshot memory",
-                fix="pass memory=None to keep the files, or use the microvm or gvisor tier",
+                fix=fix,
             )
         with self._quiet(), op.store.reserve() as room:
             self._check_open()

@@ -351,6 +351,7 @@ class DockerBackend(DockerPlan, SupervisorFiles):
                 image=self._image_id,
                 folder=Path(folder),
                 masks=rules.masks,
+                mask_binds=tuple(mask_binds),
                 uid=lease.uid,
                 state_dir=self.state_dir,
             )

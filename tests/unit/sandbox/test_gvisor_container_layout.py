@@ -140,6 +140,7 @@ def test_a_state_root_others_may_write_or_no_runsc_state_is_refused(tmp_path: Pa
             image="sha256:ab",
             folder=tmp_path,
             masks=(),
+            mask_binds=(),
             uid=1_900_000_000,
             state_dir=tmp_path,
         )
@@ -151,3 +152,32 @@ def test_a_state_root_others_may_write_or_no_runsc_state_is_refused(tmp_path: Pa
         kernel.wait()
         if kernel.stdout is not None:
             kernel.stdout.close()
+
+
+def _memory(tmp_path: Path, mask_binds: tuple[tuple[str, str], ...]) -> ContainerMemory:
+    return ContainerMemory(
+        _Engine(0),
+        "c" * 64,
+        tmp_path,
+        runtime={"path": "runsc"},
+        platform="systrap",
+        image="sha256:ab",
+        folder=tmp_path,
+        masks=tuple(dest for _, dest in mask_binds),
+        mask_binds=mask_binds,
+        uid=1_900_000_000,
+        state_dir=tmp_path,
+    )
+
+
+def test_programs_masked_one_by_one_leave_the_memory_to_be_kept(tmp_path: Path) -> None:
+    cover = str(tmp_path / "unreadable")
+    assert _memory(tmp_path, ((cover, "/usr/bin/curl"), (cover, "/usr/bin/wget"))).refusal() is None
+
+
+def test_a_masked_copy_of_a_folder_keeps_files_only_known_before_any_checkpoint(tmp_path: Path) -> None:
+    """A restore binds again only the container's roles: a masked copy of /usr/bin is none."""
+    copy = tmp_path / "masked-0123-291"
+    copy.mkdir()
+    said = _memory(tmp_path, ((str(copy), "/usr/bin"),)).refusal()
+    assert said is not None and "masked copy of /usr/bin" in said
