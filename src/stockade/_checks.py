@@ -15,6 +15,7 @@ from typing import TypeVar
 from stockade.exceptions import ConfigurationError, InvalidArgument
 
 __all__ = [
+    "check_acceptance",
     "check_choice",
     "check_data",
     "check_envs",
@@ -213,6 +214,17 @@ def check_text(value: object, *, argument: str, nul: bool = False, fix: str = "g
             fix="give text that encodes as UTF-8, or bytes where bytes are taken",
         ) from None
     return value
+
+
+def check_acceptance(value: object, *, argument: str = "check") -> str:
+    """An acceptance check: a shell line that is text (``check_text``: no NUL, UTF-8) and not
+    blank. One rule wherever a check is given (the SDK, the API, the remote client), so a check
+    that cannot run is refused when given, never found out when the run ends."""
+    fix = 'give the command that decides whether the task is done, e.g. "python3 -m pytest -q"'
+    line = check_text(value, argument=argument, fix=fix)
+    if not line.strip():
+        raise InvalidArgument(f"{argument} is {_shown(value)}, a blank line", argument=argument, fix=fix)
+    return line
 
 
 def check_data(value: object, *, argument: str) -> bytes:

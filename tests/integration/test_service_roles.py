@@ -593,6 +593,32 @@ def test_an_acceptance_check_is_judged_as_the_same_command_through_the_sandbox_a
         assert [r.id for r in dev.runs.list()] == before
 
 
+@pytest.mark.parametrize("hidden", ["{ rm -r made; }", "f(){ rm -r made; }; f"])
+def test_a_check_hiding_a_command_to_approve_has_it_refused_inside_and_asks_no_one(
+    acme: Acme, hidden: str
+) -> None:
+    """The line's words show no ``rm -r`` (a group, a function), so the check is taken; what it
+    runs meets the sandbox's exec judge, which refuses it at once, each time, asking no one:
+    it neither waits for a yes nor runs. It left a request in the run's book before, and a yes
+    to it ran ``rm -r`` at the next check."""
+    with Client(acme.server.url, acme.dev) as dev:
+        check = f"mkdir -p made && echo kept > made/kept.txt && {hidden}"
+        run = dev.runs.submit("t", scripted=["done"] * 3, check=check)
+        assert run.wait(timeout_s=60).status == "check_failed"
+        events = list(run.events())
+        assert [e.data for e in events if e.kind == "approval"] == []  # nothing asked, nothing to approve
+        checks = [e.data["attributes"] for e in events if e.kind == "check"]
+        assert [(c["passed"], c["timed_out"], c["exit_code"]) for c in checks] == [(False, False, 126)] * 3
+        removals = [
+            e.data["attributes"] for e in events if e.kind == "exec" and "rm" in e.data["attributes"]["argv"]
+        ]
+        assert removals and {(r["verdict"], r["rule"]) for r in removals} == {
+            ("refuse", "commands.approve: rm -r")
+        }
+        assert "+kept" in run.diff()  # never removed
+        run.delete()
+
+
 def test_a_role_that_may_run_commands_runs_its_acceptance_check(acme: Acme) -> None:
     with Client(acme.server.url, acme.dev) as dev:
         run = dev.runs.submit("t", scripted=["done"], check="echo checked > checked.txt")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stockade._checks import check_instance, check_text, check_timeout
+from stockade._checks import check_acceptance, check_instance, check_text, check_timeout
 from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, SandboxKeeper
 from stockade.agent.events import Observer
 from stockade.agent.limits import RunLimits
@@ -82,13 +82,7 @@ class AgentSettings:
         keeper: SandboxKeeper | None = None,
         hands_back: Callable[[str], bool] | None = None,
     ) -> None:
-        if check is not None and (not isinstance(check, str) or not check.strip()):
-            raise InvalidArgument(
-                f"check is {check!r}",
-                argument="check",
-                fix='give the command that decides whether the task is done, e.g. "python3 -m pytest -q"',
-            )
-        self.check = check
+        self.check = check_acceptance(check) if check is not None else None
         self.hands_back = hands_back  # which changed paths the run's diff may show the host
         self.check_timeout_s = check_timeout(check_timeout_s, argument="check_timeout_s")
         self.model = resolve_model(model)

@@ -326,7 +326,14 @@ class AgentSession:
         given). A human approving the tool call approves what its code runs for it, only where
         the sandbox says nothing else can have started the exec (``ExecRecord.own_code``): in
         an interpreter that earlier calls ran code in, what they left behind (a thread, a
-        signal handler, a rebound name) runs during the call, and each exec is asked."""
+        signal handler, a rebound name) runs during the call, and each exec is asked.
+
+        What the acceptance check runs is refused unasked: the check is the caller's command,
+        which needs no approval (the service refuses one that does at submission), and no one
+        is asked inside it. One hiding its exec (``{ rm -r x; }``) left a request in the run's
+        book, whose yes ran the exec at the next check, after the model's next turn."""
+        if current_call.get() == CHECK_CALL:
+            return False
         if call_approved.get() and record.own_code:
             return True
         redactor = self.owner.audit_log.redactor

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade._checks import check_labels, check_timeout
+from stockade._checks import check_acceptance, check_labels, check_timeout
 from stockade.client._http import (
     ANSWER_MAX_BYTES,
     DIFF_MAX_BYTES,
@@ -154,7 +154,8 @@ def submit_body(
 ) -> dict[str, Any]:  # fmt: skip
     body: dict[str, Any] = {
         "task": task, "model": model, "scripted": list(scripted) if scripted is not None else None,
-        "workspace": workspace_id, "tier": tier, "trust": trust, "check": check,
+        "workspace": workspace_id, "tier": tier, "trust": trust,
+        "check": check_acceptance(check) if check is not None else None,
         "sandbox_limits": limits_body(sandbox_limits),
         "labels": check_labels(labels), "idempotency_key": idempotency_key,
     }  # fmt: skip

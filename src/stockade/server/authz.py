@@ -307,10 +307,12 @@ def check_acceptance_check(engine: PolicyEngine, command: str) -> None:
     The check is the caller's shell line, run in the run's sandbox outside the model's guards
     (its own records' view): it is judged as the caller running it through ``POST .../commands``
     would be, the role's command tool, then the policy's rules over the op (its command rules,
-    its paths, ``execute`` and the other categories). An op that needs approval is refused as
-    there: no one is asked for a check. Before, a role of read tools ran any code this way."""
+    its paths, ``execute`` and the other categories), with the API's op guard and so the same
+    tool (a data class's ``tools`` hold: judged with no tool, a class kept from the shell was
+    read by a check). An op that needs approval is refused as there: no one is asked for a
+    check. Before, a role of read tools ran any code this way."""
     _check_tool(engine, "command", what="the run's acceptance check (a command)")
-    op_policy_guard(engine)(OpContext(role=engine.role_name), RunCommand(argv=("/bin/sh", "-c", command)))
+    sandbox_op_guard(engine)(OpContext(role=engine.role_name), RunCommand(argv=("/bin/sh", "-c", command)))
 
 
 def check_sandbox_tools(engine: PolicyEngine) -> None:

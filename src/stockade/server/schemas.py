@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -31,7 +32,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from stockade._checks import MAX_COST_USD, MAX_TIMEOUT_S
+from stockade._checks import MAX_COST_USD, MAX_TIMEOUT_S, check_acceptance
+from stockade.exceptions import InvalidArgument
 from stockade.policy.approval import MAX_PENDING
 from stockade.types import Limits, NetworkPolicy, Trust, limits_from_fields
 
@@ -119,6 +121,15 @@ def _check_exec(argv: list[str], envs: dict[str, str]) -> None:
             f"the command's arguments and environment take {total:,} bytes, over the {MAX_ARGS_BYTES:,} "
             "the kernel runs a command with: pass large input through stdin or a file"
         )
+
+
+def _acceptance(value: str) -> str:
+    """The SDK's rule for an acceptance check (no NUL, not blank), as a 422: a check that cannot
+    run used to be queued and take a worker's slot, failing only when the run ended."""
+    try:
+        return check_acceptance(value)
+    except InvalidArgument as bad:
+        raise PydanticCustomError("acceptance_check", "{why}", {"why": str(bad)}) from None
 
 
 class _In(BaseModel):
@@ -298,7 +309,9 @@ class RunSubmit(_In):
     trust: Trust | None = None
     limits: RunLimitsIn = RunLimitsIn()
     sandbox_limits: LimitsIn | None = None
-    check: Arg | None = Field(default=None, description="the acceptance check: a shell line that must pass")
+    check: Annotated[Arg, AfterValidator(_acceptance)] | None = Field(
+        default=None, description="the acceptance check: a shell line that must pass (no NUL, not blank)"
+    )
     check_timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # as the run would check it
     labels: LabelsIn = Field(default_factory=dict)
 

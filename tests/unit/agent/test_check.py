@@ -133,8 +133,8 @@ def test_build_agent_passes_the_check_and_audits_it(tmp_path: object) -> None:
     assert ends == ["check_failed"]
 
 
-@pytest.mark.parametrize("check", ["", "   ", 3])
-def test_an_empty_check_is_refused(check: object) -> None:
+@pytest.mark.parametrize("check", ["", "   ", 3, "true\x00base64 /etc/hostname"])
+def test_an_empty_check_or_one_holding_a_nul_is_refused(check: object) -> None:
     with pytest.raises(InvalidArgument, match="check"):
         Agent(ScriptedModel(["done"]), check=check)  # type: ignore[arg-type]
 

@@ -5,6 +5,7 @@ through the sandbox API."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -331,6 +332,27 @@ def test_an_acceptance_check_needs_what_the_same_command_through_the_sandbox_api
 
 def test_a_role_that_may_run_commands_may_give_a_run_an_acceptance_check() -> None:
     check_acceptance_check(engine_for(principal("dev", CHECKED)), "pytest -q && ruff check .")
+
+
+@pytest.mark.parametrize("line", ["cat reports/q3.txt", "true"])
+def test_an_acceptance_check_is_judged_with_the_shell_tool_as_the_same_line_on_commands(line: str) -> None:
+    """``data_access.confidential.tools = ["read_file"]``: the shell may not touch the class. A
+    check was judged with no tool, so ``cat reports/q3.txt`` passed as a check while the same
+    line on ``/commands`` was refused."""
+    engine = engine_for(principal("analyst", KEPT_TO_READ_FILE))
+
+    def verdict(judge: Callable[[], object]) -> str | None:
+        try:
+            judge()
+        except exc.PolicyDenied as denied:
+            return denied.rule
+        return None
+
+    on_commands = verdict(
+        lambda: sandbox_op_guard(engine)(OpContext(run_id="sbx"), RunCommand(argv=("/bin/sh", "-c", line)))
+    )
+    assert verdict(lambda: check_acceptance_check(engine, line)) == on_commands
+    assert (on_commands is None) == (line == "true")
 
 
 def test_every_op_of_a_sandbox_amounts_to_a_call_of_the_api_or_to_none_it_sends() -> None:

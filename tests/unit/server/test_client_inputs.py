@@ -115,6 +115,13 @@ REFUSED: dict[str, tuple[Call, str]] = {
     "delete_snapshot of a NUL": (lambda s: s.client.delete_snapshot("\x00"), "snapshot"),
     "delete_workspace of '..'": (lambda s: s.client.delete_workspace(".."), "workspace_id"),
     "resume of a NUL": (lambda s: RemoteSandbox.resume("a\x00", client=s.client), "sandbox_id"),
+    # an acceptance check that cannot run: the service queued it, failing when the run ended
+    "a check holding a NUL": (
+        lambda s: s.client.runs.submit("t", check="true\x00base64 /etc/hostname"),
+        "check",
+    ),
+    "an empty check": (lambda s: s.client.runs.submit("t", check=""), "check"),
+    "a check of spaces": (lambda s: s.client.runs.submit("t", check="  "), "check"),
     # a path of 64 KiB was an httpx2.InvalidURL ("query too long"), no StockadeError
     "read a 64 KiB path": (lambda s: s.files.read(LONG), "path"),
     "write a 64 KiB path": (lambda s: s.files.write(LONG, "x"), "path"),
@@ -228,6 +235,7 @@ def test_the_async_client_checks_the_same(service: Service) -> None:
                 lambda: sbx.run_code(f"echo {S}", "bash"),
                 lambda: client.delete_snapshot("\x00"),
                 lambda: client.runs.get(S),
+                lambda: client.runs.submit("t", check="true\x00id"),
             ):
                 with pytest.raises(exc.InvalidArgument) as caught:
                     await call()
@@ -238,7 +246,7 @@ def test_the_async_client_checks_the_same(service: Service) -> None:
             await sbx.close()
         return refused
 
-    assert asyncio.run(main()) == ["timeout_s", "path", "path", "code", "snapshot", "run_id"]
+    assert asyncio.run(main()) == ["timeout_s", "path", "path", "code", "snapshot", "run_id", "check"]
 
 
 # -- whatever it is given, the client raises the SDK's errors alone ----------------------------

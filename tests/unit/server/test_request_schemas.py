@@ -77,6 +77,16 @@ def test_an_environment_is_bounded_by_the_same_rules() -> None:
     assert "2,097,152" in refused(SandboxCreate, {"envs": big})[0]["msg"]
 
 
+@pytest.mark.parametrize("check", ["true\x00base64 /etc/hostname", "", "   "])
+def test_an_acceptance_check_that_cannot_run_is_refused_before_it_takes_a_queue_place(check: str) -> None:
+    """The SDK's rule for a check (no NUL, not blank): the service queued these, and each took a
+    worker's slot to fail when its run ended."""
+    (error,) = refused(RunSubmit, {"task": "t", "check": check})
+    assert error["loc"] == ("check",)
+    assert "NUL" in error["msg"] or "blank" in error["msg"]
+    assert RunSubmit.model_validate({"task": "t", "check": "pytest -q"}).check == "pytest -q"
+
+
 def test_labels_names_and_lists_of_a_request_are_bounded() -> None:
     assert refused(SandboxCreate, {"labels": {"k": "v" * 5000}})[0]["loc"] == ("labels", "k")
     assert refused(SandboxCreate, {"labels": {"k" * 300: "v"}})[0]["loc"] == ("labels", "k" * 300, "[key]")
