@@ -6,7 +6,10 @@ token of role ``admin`` uses it all, and the audit trail names the token of each
 ``tools`` hold over the sandbox API: each call is refused (403) where the tool it amounts to is
 not the role's; and over a run's acceptance check, the caller's command, judged as the sandbox
 API's ``/commands`` judges one (tenant ``locked``'s policy denies ``execute``). A data class's
-``tools`` hold over the sandbox API too (tenant ``labs`` keeps one to ``read_file``)."""
+``tools`` hold over the sandbox API too (tenant ``labs`` keeps one to ``read_file``). A role
+that runs no code gets a sandbox and runs under a data class it may read and not write (tenant
+``press``), and its sandbox runs no code afterwards; a run whose sandbox no tier would start is
+refused when it is submitted."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import sqlite3
 import tarfile
 from collections.abc import Iterator
@@ -102,6 +106,32 @@ tools = ["read_file", "list_files", "write_file"]
 """
 
 
+# A data class its roles may read and not write, under the default write rules (everything):
+# no kernel keeps a part of a written folder read-only, so a role that runs code gets no sandbox;
+# one that runs none needs no such hold (its tools' writes are each judged by the class's rule).
+PRESS_POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["scripted:*"]
+[paths]
+write = ["**"]
+[[data]]
+paths = ["reports/**"]
+tier = "confidential"
+[data_access.confidential]
+read = ["viewer", "coder"]
+write = []
+[roles.viewer]
+tiers = ["process"]
+tools = ["read_file"]
+[roles.coder]
+tiers = ["process"]
+tools = ["read_file", "run_code"]
+"""
+
+
 @dataclass(frozen=True)
 class Acme:
     server: Server
@@ -117,6 +147,8 @@ class Acme:
     locked: str  # of tenant locked, whose policy denies execute
     analyst: str  # of tenant labs, whose data class is kept to read_file
     intern: str  # of tenant labs, which may neither read nor write its data class
+    viewer: str  # of tenant press: read_file alone, under a class it may read and not write
+    press_coder: str  # of tenant press: read_file and run_code
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +160,7 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     (folder / "policy.toml").write_text(POLICY)
     (folder / "locked.toml").write_text(LOCKED_POLICY)
     (folder / "labs.toml").write_text(LABS_POLICY)
+    (folder / "press.toml").write_text(PRESS_POLICY)
     admin, admin_record = new_token("acme", "admin")
     second, second_record = new_token("acme", "admin")
     dev, dev_record = new_token("acme", "dev")
@@ -137,15 +170,17 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     locked, locked_record = new_token("locked", "dev")
     analyst, analyst_record = new_token("labs", "analyst")
     intern, intern_record = new_token("labs", "intern")
+    viewer, viewer_record = new_token("press", "viewer")
+    press_coder, press_coder_record = new_token("press", "coder")
     records = (
         admin_record, second_record, dev_record, reader_record, coder_record, searcher_record, locked_record,
-        analyst_record, intern_record,
+        analyst_record, intern_record, viewer_record, press_coder_record,
     )  # fmt: skip
     empty = Tenants(tenants={}, tokens={})
     (folder / "tenants.toml").write_text(
         '[tenants.acme]\npolicy = "policy.toml"\nsandboxes = 4\ncpus = 4\nmemory_mb = 4096\n\n'
         '[tenants.locked]\npolicy = "locked.toml"\n\n[tenants.labs]\npolicy = "labs.toml"\n\n'
-        + "\n".join(empty.toml_lines(r) for r in records)
+        '[tenants.press]\npolicy = "press.toml"\n\n' + "\n".join(empty.toml_lines(r) for r in records)
     )
     server = Server(
         folder / "tenants.toml", f"sqlite:///{folder / 'service.db'}", folder,
@@ -154,7 +189,7 @@ def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
     try:
         yield Acme(
             server, folder, admin, admin_record.id, second, second_record.id, dev, reader, coder, searcher,
-            locked, analyst, intern,
+            locked, analyst, intern, viewer, press_coder,
         )  # fmt: skip
     finally:
         server.stop()
@@ -750,3 +785,91 @@ def test_the_root_and_the_class_folder_hold_the_class_for_its_downloads_listings
         assert whole.status_code == listed.status_code == 200
         assert tar_names(whole.content) == {"notes.txt"}  # the whole workspace, none of the class
         assert {e["path"] for e in listed.json()} == {"notes.txt"}
+
+
+def test_a_role_that_runs_no_code_gets_a_sandbox_and_runs_under_a_class_it_may_not_write(
+    acme: Acme, tmp_path: Path
+) -> None:
+    """Tenant press: ``reports/**`` is the viewer's to read, not to write, and everything is
+    written (``paths.write = ["**"]``). The viewer's tools run no code: its sandbox was asked to
+    keep the class read-only from code all the same, which no kernel holds beneath a written
+    folder. Before, its every sandbox was refused (422, ``data_access.confidential.write``), and
+    its runs were accepted (202) and then ended ``error``."""
+    (tmp_path / REPORT).parent.mkdir(parents=True)
+    (tmp_path / REPORT).write_text("Q3: 42")
+    with Client(acme.server.url, acme.viewer) as viewer:
+        with RemoteSandbox.create("process", limits=LIMITS, client=viewer) as sbx:
+            assert not sbx.files.exists(REPORT)  # read_file: looking at a file
+            with pytest.raises(exc.PolicyDenied) as denied:  # as ever: the role runs no code
+                sbx.run_code(f"open('{REPORT}', 'w')")
+            assert denied.value.rule == "roles.viewer.tools"
+        kept = viewer.runs.upload_workspace(tmp_path)
+        step = {"name": "read_file", "args": {"path": REPORT}}
+        run = viewer.runs.submit("read the report", scripted=[step, "read"], workspace=kept)
+        assert run.wait().status == "success", run.info
+        assert run.diff() == ""  # read, not changed
+        run.delete()
+        viewer.delete_workspace(kept)
+        assert viewer.sandboxes() == [] and viewer.workspaces() == []
+
+
+def test_a_run_whose_sandbox_no_tier_would_start_is_refused_when_it_is_submitted(acme: Acme) -> None:
+    """Tenant press's coder runs code, so the class must stay read-only to it, beneath the
+    written ``**``: no tier holds that, and a run takes no ``allow_weaker``. Refused at once
+    (422, with the setting and what to change in the policy), as a sandbox of the role is;
+    before, the run was accepted (202) and then ended ``error``."""
+    with Client(acme.server.url, acme.press_coder) as coder:
+        with pytest.raises(exc.LimitNotEnforceable) as refused:
+            coder.runs.submit("read the report", scripted=["read"])
+        assert refused.value.setting == "data_access.confidential.write"
+        assert "narrow paths.write" in (refused.value.fix or "")
+        assert "allow_weaker" not in (refused.value.fix or "")
+        assert coder.runs.list() == []  # nothing queued
+        with pytest.raises(exc.LimitNotEnforceable) as no_sandbox:
+            RemoteSandbox.create("process", limits=LIMITS, client=coder)
+        assert no_sandbox.value.setting == "data_access.confidential.write"
+        assert coder.sandboxes() == []
+
+
+def test_a_sandbox_of_a_role_that_ran_no_code_runs_none_once_the_role_may(acme: Acme) -> None:
+    """The viewer's sandbox keeps nothing read-only from code. The policy, loaded again,
+    gives the viewer ``run_code``: its live sandbox still runs no code (its rules were made for
+    a role that ran none), while a new sandbox of the role gets the rules for code (here: none
+    can start). Before, the live sandbox ran the code, and it overwrote the class."""
+    press = acme.folder / "press.toml"
+
+    def loaded(policy: str) -> None:
+        press.write_text(policy)
+        acme.server.proc.send_signal(signal.SIGHUP)  # a policy file the tenants file names
+
+    with Client(acme.server.url, acme.viewer) as viewer:
+        with RemoteSandbox.create("process", limits=LIMITS, client=viewer) as sbx:
+            try:
+                loaded(PRESS_POLICY.replace('tools = ["read_file"]', 'tools = ["read_file", "run_code"]'))
+
+                def refused_as_started() -> str:
+                    try:
+                        sbx.run_code(f"import os; os.makedirs('reports/2024'); open('{REPORT}', 'w')")
+                    except exc.PolicyDenied as denied:
+                        return str(denied) if "when this sandbox started" in str(denied) else ""
+                    return "ran"
+
+                found = wait_for(refused_as_started, what="the policy to be loaded again", timeout_s=10)
+                assert found != "ran" and "create a new sandbox" in found
+                assert not sbx.files.exists(REPORT)
+                with pytest.raises(exc.LimitNotEnforceable):  # a new sandbox: the rules for code
+                    RemoteSandbox.create("process", limits=LIMITS, client=viewer)
+            finally:
+                loaded(PRESS_POLICY)
+        back = wait_for(lambda: sandbox_of(viewer), what="the policy to be loaded back", timeout_s=10)
+        assert back is not None
+        back.close()
+        assert viewer.sandboxes() == []
+
+
+def sandbox_of(client: Client) -> RemoteSandbox | None:
+    """A new sandbox of the client's role, or None where the role's rules start none."""
+    try:
+        return RemoteSandbox.create("process", limits=LIMITS, client=client)
+    except exc.LimitNotEnforceable:
+        return None

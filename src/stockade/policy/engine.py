@@ -350,8 +350,11 @@ class PolicyEngine:
         rules (and the decisions over command categories) judged at each exec, the write rules
         held by the kernel, and what this role may not read left out of the sandbox. A data
         class whose ``tools`` leave out a tool of the role that runs code (``code_tools``) is
-        left out too; one the role may read but not write is to stay read-only (``read_only``:
-        refused where the kernel cannot hold that)."""
+        left out too; one the role may read but not write is to stay read-only to its code
+        (``read_only``: refused where the kernel cannot hold that). A role with no tool that
+        runs code (``code_tools``) asks for none: only its tools touch the files, each write
+        judged by ``data_access.X.write``, and the service's sandbox of such a role runs no
+        code later either (``server.authz.sandbox_op_guard``)."""
         p = self.policy
         deny, approve = list(p.commands.deny), list(p.commands.approve)
         for pattern, category in _CATEGORIES:
@@ -363,11 +366,12 @@ class PolicyEngine:
         hidden = list(p.paths.deny)
         read_only: list[ReadOnly] = []
         kept_out = self._kept_out()
+        runs_code = bool(self.code_tools())
         for entry in p.data:
             access = p.data_access.get(entry.tier)
             if entry in kept_out:
                 hidden += entry.paths
-            elif access is not None and self.role_name not in access.write:
+            elif access is not None and self.role_name not in access.write and runs_code:
                 read_only.append(ReadOnly(paths=entry.paths, setting=f"data_access.{entry.tier.value}.write"))
         if hidden or "**" not in (r.strip("/") for r in p.paths.read):
             # A repository's history holds every file it ever had, the ones kept out included

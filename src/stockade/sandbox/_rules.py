@@ -37,6 +37,8 @@ from stockade.sandbox.supervisor import execrules
 from stockade.types import Mechanism, ReadOnly, SandboxRules
 
 WORKSPACE = "/workspace"
+# The last of a kernel refusal's fix, for a caller that may accept less.
+_OR_WEAKER = ", or pass allow_weaker=True (then only the tool calls' paths are judged)"
 # What every tier runs of the image itself: the supervisor's interpreter.
 SUPERVISOR_PROGRAMS = ("python3",)
 
@@ -78,8 +80,7 @@ def write_targets(globs: Iterable[str]) -> list[str] | None:
             raise exc.LimitNotEnforceable(
                 f"the write rule {glob!r} is a pattern the kernel cannot hold (it grants folders and files)",
                 setting="paths.write",
-                fix="write it as folders (src/**) or files, or pass allow_weaker=True "
-                "(then only the tool calls' paths are judged)",
+                fix=f"write it as folders (src/**) or files{_OR_WEAKER}",
             )
         out.append(f"{WORKSPACE}/{folder}" + ("/" if g.endswith("/**") else ""))
     return out
@@ -100,9 +101,24 @@ def check_read_only(kept: ReadOnly, write: list[str] | None) -> None:
             f"written {folder!r}: the kernel grants written folders whole, and cannot keep a part "
             "of one read-only",
             setting=kept.setting,
-            fix="narrow paths.write to folders that hold none of it, let the role write it, or "
-            "pass allow_weaker=True (then only the tool calls' paths are judged)",
+            fix="narrow paths.write to folders that hold none of it, let the role write it, or give "
+            f"the role no tool that runs code{_OR_WEAKER}",
         )
+
+
+def check_holdable(rules: SandboxRules) -> None:
+    """Raise ``LimitNotEnforceable`` for the write rules and read-only classes of ``rules``
+    that no tier's kernel holds (``write_targets``, ``check_read_only``): known from the rules
+    alone, before any tier is chosen. Its fix is the policy's to make: for a caller that cannot
+    accept weaker enforcement (a run of the service)."""
+    try:
+        write = write_targets(rules.write)
+        for kept in rules.read_only:
+            check_read_only(kept, write)
+    except exc.LimitNotEnforceable as refused:
+        raise exc.LimitNotEnforceable(
+            str(refused), setting=refused.setting, fix=(refused.fix or "").removesuffix(_OR_WEAKER)
+        ) from None
 
 
 def _words(patterns: Iterable[str]) -> list[list[str]]:

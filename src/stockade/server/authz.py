@@ -14,9 +14,10 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.egress._rules import Judge, ip_literal
-from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import OpContext, OpGuard, op_policy_guard
+from stockade.policy.engine import Decision, PolicyEngine
+from stockade.policy.guards import OpContext, OpGuard, describe, op_policy_guard
 from stockade.policy.schema import Policy, Verdict
+from stockade.sandbox._rules import check_holdable
 from stockade.sandbox.base import Backend
 from stockade.sandbox.ops import (
     GetArchive,
@@ -45,6 +46,7 @@ __all__ = [
     "check_approver",
     "check_model",
     "check_network",
+    "check_run_rules",
     "check_sandbox_tool",
     "check_sandbox_tools",
     "check_tier_network",
@@ -315,6 +317,21 @@ def check_acceptance_check(engine: PolicyEngine, command: str) -> None:
     sandbox_op_guard(engine)(OpContext(role=engine.role_name), RunCommand(argv=("/bin/sh", "-c", command)))
 
 
+def check_run_rules(engine: PolicyEngine) -> None:
+    """``LimitNotEnforceable`` (422) for a run whose sandbox no tier would start under the
+    role's rules (``_rules.check_holdable``: a write rule that is a pattern, a read-only data
+    class beneath a written folder): asked when the run is submitted, since a run takes no
+    ``allow_weaker`` and would otherwise be queued and end ``error`` at its start."""
+    try:
+        check_holdable(engine.sandbox_rules())
+    except exc.LimitNotEnforceable as refused:
+        raise exc.LimitNotEnforceable(
+            f"role {engine.role_name!r}'s runs get no sandbox: {refused}",
+            setting=refused.setting,
+            fix=refused.fix,
+        ) from None
+
+
 def check_sandbox_tools(engine: PolicyEngine) -> None:
     """``PolicyDenied`` (403) for a sandbox that its role could use by no call: none of the
     tools of ``SANDBOX_TOOLS`` is the role's."""
@@ -332,15 +349,39 @@ def sandbox_op_guard(engine: PolicyEngine) -> OpGuard:
     """The policy over each op of a sandbox of the API, judged with the tool of the call it
     amounts to (``OP_CALLS``), as a run's ops are with the tool that issued them: a data class's
     ``tools`` hold over the API too. Judged with no tool, a class kept to ``read_file`` was
-    listed, written and removed by the API's other calls."""
+    listed, written and removed by the API's other calls.
+
+    ``engine`` is the policy the sandbox started under, and its rules were made for what its
+    role could do then: a role that ran no code got no read-only data classes, nor were the
+    classes kept to tools that run no code left out (``PolicyEngine.sandbox_rules``). Its
+    sandbox runs no code afterwards either, though the tenants file, loaded again, gives the
+    role a tool that does: a new sandbox gets the rules for it."""
     judge = op_policy_guard(engine)
+    ran_no_code = not engine.code_tools()
 
     def guard(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         call = OP_CALLS.get(type(op))
         tool = SANDBOX_TOOLS[call][0] if call is not None else ""
+        if ran_no_code and call in _CODE_CALLS:
+            raise _started_without_code(engine.tool(tool), op)
         return judge(dataclasses.replace(ctx, tool=tool), op)
 
     return guard
+
+
+_CODE_CALLS = ("command", "code")
+
+
+def _started_without_code(decision: Decision, op: Op[Any]) -> exc.PolicyDenied:
+    """The refusal of code in a sandbox whose role ran none when it started (``decision``: its
+    tool then, denied)."""
+    action = describe(op)
+    return exc.PolicyDenied(
+        f"{action}: {decision.reason} when this sandbox started, and its rules keep nothing from "
+        "code that only the role's tools were to touch; create a new sandbox to run code in",
+        rule=decision.rule,
+        action=action,
+    )
 
 
 def check_approver(principal: Principal) -> None:

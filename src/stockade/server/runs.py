@@ -45,7 +45,14 @@ from stockade.audit.verify import verify
 from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all
-from stockade.server.authz import check_acceptance_check, check_approver, check_model, choose_tier, engine_for
+from stockade.server.authz import (
+    check_acceptance_check,
+    check_approver,
+    check_model,
+    check_run_rules,
+    choose_tier,
+    engine_for,
+)
 from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.held import HeldResponse, held_bytes, unpacking
@@ -210,10 +217,12 @@ async def delete_workspace(workspace_id: str, request: Request, caller: Caller) 
 
 def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
     """What the role allows, asked before the run is queued: the model, the tier, the workspace,
-    the acceptance check (as the role running it through the sandbox API); and the run's limits,
-    as its start would take them."""
+    the acceptance check (as the role running it through the sandbox API), the sandbox rules the
+    role's policy gives (no tier holds some: ``check_run_rules``); and the run's limits, as its
+    start would take them."""
     run_limits(body)
     engine = engine_for(caller, body.trust)
+    check_run_rules(engine)
     model = build_model(body)  # a model spec that cannot be resolved fails here, not on a worker
     check_model(engine, model.name, model.provider)
     if body.check is not None:

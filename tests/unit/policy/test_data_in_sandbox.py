@@ -115,6 +115,53 @@ def test_a_read_only_class_beneath_a_written_folder_is_refused_with_a_fix(
         plan(r, can_confine=False)
 
 
+READ_NOT_WRITE = {"read": ["dev"], "write": []}
+
+
+@pytest.mark.parametrize(
+    ("tools", "deny"),
+    [
+        (("read_file",), ()),  # no tool of the role runs code
+        (CODING, ("execute",)),  # the policy denies running code at all
+    ],
+)
+def test_a_role_that_runs_no_code_asks_the_kernel_to_keep_nothing_read_only(
+    tools: tuple[str, ...], deny: tuple[str, ...]
+) -> None:
+    """Only the role's tools touch its files, each write judged by
+    ``data_access.confidential.write``: no code to keep from the class. Before, the class was
+    read-only all the same, and under ``write = ["**"]`` every sandbox of the role was refused
+    (``LimitNotEnforceable``), its runs accepted and then ended ``error``."""
+    r = rules(policy(tools=tools, write=("**",), access=READ_NOT_WRITE, deny=deny))
+    assert r.read_only == ()
+    assert "customers/**" not in r.hide  # the role reads it: it is there
+    assert plan(r).weakened == ()  # started, nothing weaker
+    _rules.check_holdable(r)
+
+
+def test_a_role_that_runs_code_still_keeps_the_class_read_only_or_gets_no_sandbox() -> None:
+    r = rules(policy(tools=("read_file", "run_code"), write=("**",), access=READ_NOT_WRITE))
+    assert [kept.setting for kept in r.read_only] == ["data_access.confidential.write"]
+    with pytest.raises(exc.LimitNotEnforceable):
+        plan(r)
+
+
+def test_what_no_tier_holds_is_known_from_the_rules_alone_with_a_fix_the_policy_makes() -> None:
+    """``check_holdable``: asked before a run is queued (a run takes no ``allow_weaker``), its
+    fix names only what the policy can change."""
+    refused = []
+    for r in (
+        rules(policy(write=("**",), access=READ_NOT_WRITE)),
+        rules(policy(write=("src/*.py",), access={"read": ["dev"], "write": ["dev"]})),
+    ):
+        with pytest.raises(exc.LimitNotEnforceable) as raised:
+            _rules.check_holdable(r)
+        refused.append(raised.value)
+    assert [r.setting for r in refused] == ["data_access.confidential.write", "paths.write"]
+    assert all("allow_weaker" not in (r.fix or "") for r in refused)
+    assert "give the role no tool that runs code" in (refused[0].fix or "")
+
+
 def test_rules_with_read_only_paths_come_back_from_a_snapshots_state() -> None:
     from stockade.sandbox._snapshot_state import spec_from_state, spec_state
 

@@ -23,6 +23,7 @@ from stockade.policy.schema import (
     Policy,
     Role,
     TrustRules,
+    Verdict,
 )
 from stockade.sandbox.base import Backend
 from stockade.sandbox.docker import DockerBackend
@@ -34,6 +35,7 @@ from stockade.sandbox.ops import (
     PutArchive,
     ReadFile,
     Remove,
+    RunCode,
     RunCommand,
     Stat,
     TakeExecs,
@@ -46,6 +48,7 @@ from stockade.server.authz import (
     check_acceptance_check,
     check_model,
     check_network,
+    check_run_rules,
     check_tier_network,
     choose_tier,
     effective_policy,
@@ -397,3 +400,43 @@ def test_the_sandbox_api_judges_each_op_with_the_tool_of_its_call(op: Op[Any]) -
     with pytest.raises(exc.PolicyDenied) as denied:
         guard(OpContext(run_id="sbx"), op)
     assert denied.value.rule == "data_access.confidential.tools"
+
+
+READ_NOT_WRITE = Policy.model_validate(
+    {
+        "roles": {"viewer": {"tools": ["read_file"]}},
+        "data": [{"paths": ["reports/**"], "tier": "confidential"}],
+        "data_access": {"confidential": {"read": ["viewer"], "write": []}},
+    }
+)
+WITH_CODE = READ_NOT_WRITE.model_copy(
+    update={"roles": {"viewer": Role(tools=("read_file", "run_code", "shell"))}}
+)
+
+
+@pytest.mark.parametrize(
+    "op", [RunCode(code="open('reports/q3.txt', 'w')"), RunCommand(argv=("/bin/sh", "-c", "id"))], ids=type
+)
+def test_a_sandbox_started_for_a_role_that_ran_no_code_runs_none_though_the_role_now_may(op: Op[Any]) -> None:
+    """Its rules keep nothing read-only from code (the role ran none): the tenants file loaded
+    again with a code tool for the role does not make its live sandbox run code that would
+    write the class. The routes ask the policy as it is now; the op guard, the one it started
+    under."""
+    started = sandbox_op_guard(engine_for(principal("viewer", READ_NOT_WRITE)))
+    assert engine_for(principal("viewer", WITH_CODE)).tool("run_code").verdict is Verdict.ALLOW
+    with pytest.raises(exc.PolicyDenied) as denied:
+        started(OpContext(run_id="sbx"), op)
+    assert denied.value.rule == "roles.viewer.tools"
+    assert "create a new sandbox" in str(denied.value)
+    read = ReadFile(path="reports/q3.txt")
+    assert started(OpContext(run_id="sbx"), read) == read
+    coding = sandbox_op_guard(engine_for(principal("viewer", WITH_CODE)))  # a new sandbox's
+    assert coding(OpContext(run_id="sbx"), op) == op
+
+
+def test_a_run_whose_sandbox_no_tier_would_start_is_refused_before_it_is_queued() -> None:
+    with pytest.raises(exc.LimitNotEnforceable) as refused:
+        check_run_rules(engine_for(principal("viewer", WITH_CODE)))
+    assert refused.value.setting == "data_access.confidential.write"
+    assert "role 'viewer'" in str(refused.value) and "allow_weaker" not in (refused.value.fix or "")
+    check_run_rules(engine_for(principal("viewer", READ_NOT_WRITE)))  # it runs no code: nothing to hold
