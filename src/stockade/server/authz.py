@@ -362,9 +362,10 @@ def sandbox_op_guard(engine: PolicyEngine) -> OpGuard:
     def guard(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         call = OP_CALLS.get(type(op))
         tool = SANDBOX_TOOLS[call][0] if call is not None else ""
+        judged = judge(dataclasses.replace(ctx, tool=tool), op)  # the policy's own refusal first
         if ran_no_code and call in _CODE_CALLS:
             raise _started_without_code(engine.tool(tool), op)
-        return judge(dataclasses.replace(ctx, tool=tool), op)
+        return judged
 
     return guard
 
