@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sysconfig
 from collections.abc import Iterator
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from stockade import Limits, Sandbox
+from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.base import Backend
 from stockade.sandbox.gvisor import GVisorBackend, RunscBackend
+from stockade.types import SandboxRules
 from tests.conftest import require, require_tier
 
 pytestmark = pytest.mark.gvisor
@@ -218,3 +221,114 @@ def test_files_and_processes_together_stay_within_memory_mb(
             assert err.cause == "out_of_memory", err
         else:
             assert past.exit_code != 0 and "held" not in past.stdout, past
+
+
+# Under a commands allowlist no file the code wrote may run (``_rules.written_noexec``). The
+# probe copies a listed program into a written place and runs it three ways, printing each
+# outcome: "ran", "exit N", "signal N", or the errno of an exec refused.
+RUN_A_WRITTEN_COPY = r"""
+import errno, os, shutil, subprocess, sys
+copy = shutil.copy("/usr/bin/ls", sys.argv[1])
+def outcome(rc):
+    return "ran" if rc == 0 else f"signal {-rc}" if rc < 0 else f"exit {rc}"
+try:
+    print("subprocess", outcome(subprocess.run([copy, "/"], capture_output=True).returncode))
+except OSError as err:
+    print("subprocess", errno.errorcode[err.errno])
+print("sh", outcome(subprocess.run(["sh", "-c", copy + " /"], capture_output=True).returncode))
+pid = os.fork()
+if pid == 0:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what the copy would list
+    try:
+        os.execv(copy, [copy, "/"])
+    except OSError as err:
+        os.write(2, errno.errorcode[err.errno].encode())
+        os._exit(126)
+_, status = os.waitpid(pid, 0)
+print("execv", outcome(os.waitstatus_to_exitcode(status)))
+"""
+LIMITS = Limits(memory_mb=256, timeout_s=20)
+REFUSED = {"subprocess": "EACCES", "sh": "exit 126", "execv": "exit 126"}
+RAN = {"subprocess": "ran", "sh": "ran", "execv": "ran"}
+LISTED = SandboxRules(allow=("python3", "sh", "ls"))
+PRELOADED = r"""
+#include <unistd.h>
+__attribute__((constructor)) static void ran(void) { write(1, "RAN-A-WRITTEN-LIBRARY\n", 22); }
+"""
+
+
+def _gvisor(mode: str, request: pytest.FixtureRequest) -> Backend:
+    if mode == "docker":
+        backend: Backend = GVisorBackend(mode="docker")
+        require("gVisor under Docker", backend.probe().available)
+        return backend
+    direct: RunscBackend = request.getfixturevalue("direct")
+    return direct
+
+
+def _run_written_copies(sbx: Sandbox) -> dict[str, dict[str, str]]:
+    """Per written place, how each way of running a copy the code wrote there ended."""
+    found = {}
+    for place in ("/tmp", WORKSPACE, "/dev/shm"):
+        r = sbx.commands.run(["python3", "-c", RUN_A_WRITTEN_COPY, f"{place}/copy"])
+        assert r.exit_code == 0, r
+        found[place] = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    return found
+
+
+def test_run_by_runsc_under_an_allowlist_no_file_the_code_wrote_runs_its_exec_refused(
+    direct: RunscBackend,
+) -> None:
+    """gVisor's kernel reads its mounts' flags from the bundle, not from the host tmpfs under
+    them: the written places are noexec there, and an exec of a file the code wrote is
+    refused (EACCES, 126 from a shell) before anything of it runs. Without an allowlist it runs."""
+    with Sandbox.create(backend=direct, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
+        for place, outcomes in _run_written_copies(sbx).items():
+            assert outcomes == REFUSED, place
+    with Sandbox.create(backend=direct, limits=LIMITS) as sbx:
+        for place, outcomes in _run_written_copies(sbx).items():
+            assert outcomes == RAN, place
+
+
+def test_under_docker_under_an_allowlist_no_file_the_code_wrote_runs_but_it_faults() -> None:
+    """The engine cannot mark a bind noexec in gVisor's view (its binds take no such option):
+    gVisor accepts the exec, the host's noexec tmpfs refuses gVisor's executable mapping of
+    the file, and the program dies of SIGSEGV at its first instruction. Contained, not
+    refused. Without an allowlist it runs."""
+    require_tier("gvisor")
+    docker = GVisorBackend(mode="docker")
+    require("gVisor under Docker", docker.probe().available)
+    with Sandbox.create(backend=docker, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
+        for place, outcomes in _run_written_copies(sbx).items():
+            assert outcomes == {"subprocess": "signal 11", "sh": "exit 139", "execv": "signal 11"}, place
+    with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
+        for place, outcomes in _run_written_copies(sbx).items():
+            assert outcomes == RAN, place
+
+
+@pytest.fixture(scope="module")
+def written_library(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A shared object whose code says it ran, as code in the sandbox could bring one."""
+    require("a C compiler (gcc)", shutil.which("gcc") is not None)
+    folder = tmp_path_factory.mktemp("library")
+    (folder / "x.c").write_text(PRELOADED)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "x.so"), str(folder / "x.c")], check=True)
+    return (folder / "x.so").read_bytes()
+
+
+@pytest.mark.parametrize("mode", ["docker", "runsc"])
+def test_under_an_allowlist_a_library_the_code_wrote_never_runs(
+    mode: str, written_library: bytes, request: pytest.FixtureRequest
+) -> None:
+    """gVisor's kernel maps a noexec mount's file executable when asked (LD_PRELOAD, dlopen,
+    mmap with PROT_EXEC); the host tmpfs under it is noexec on both paths, so the host
+    kernel refuses gVisor's own mapping and the program faults before the library's code runs."""
+    require_tier("gvisor")
+    backend = _gvisor(mode, request)
+    with Sandbox.create(backend=backend, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
+        sbx.files.write("x.so", written_library)
+        sbx.commands.run('python3 -c \'import shutil; shutil.copy("/workspace/x.so", "/tmp/x.so")\'')
+        for place in (WORKSPACE, "/tmp"):
+            r = sbx.commands.run(f"LD_PRELOAD={place}/x.so ls /workspace; echo exit $?")
+            assert "RAN-A-WRITTEN-LIBRARY" not in r.stdout, (place, r)
+            assert r.stdout.splitlines()[-1] == "exit 139", (place, r)  # SIGSEGV

@@ -338,7 +338,8 @@ def test_a_gvisor_sandbox_run_by_runsc_keeps_its_memory_under_a_commands_allowli
     store: SnapshotStore, no_sandbox_left: None
 ) -> None:
     """Run by stockade's own runsc, a restore makes the same masked copies again (the masks
-    are part of the machine key): memory is kept, and the restored sandbox is as confined."""
+    are part of the machine key): memory is kept, and the restored sandbox is as confined,
+    its written places noexec (a snapshot of before they were is refused: SNAPSHOT_VERSION)."""
     require_tier("gvisor")
     report = RunscBackend().probe()
     require("gVisor run by stockade's own runsc", report.available, report.detail)
@@ -351,3 +352,8 @@ def test_a_gvisor_sandbox_run_by_runsc_keeps_its_memory_under_a_commands_allowli
         assert fork.run_code("x").text == "3"
         assert fork.commands.run("cat /etc/hostname").exit_code == 0
         assert fork.commands.run("head -1 /etc/hostname").exit_code != 0  # still masked
+        # a checkpoint keeps its mounts' flags: the written places are noexec still
+        copy = fork.commands.run(
+            'python3 -c \'import shutil; shutil.copy("/usr/bin/ls", "/tmp/ls")\'; /tmp/ls'
+        )
+        assert copy.exit_code == 126 and "Permission denied" in copy.stderr, copy

@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _builds, _host, _rules_binds, _rules_copies, _trusted
+from stockade.sandbox import _builds, _host, _rules, _rules_binds, _rules_copies, _trusted
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary
@@ -472,6 +472,9 @@ def oci_config(
     gVisor does not apply maskedPaths (``_rules_binds.own_kernel_binds``)."""
     limits = spec.limits
     period = 100_000
+    # gVisor's kernel reads its mounts' flags from here, not from the host tmpfs under them:
+    # without noexec in its own view it runs a file the code wrote (_rules.written_noexec).
+    written = set(tmpfs_sizes(spec)) if _rules.written_noexec(spec) else set()
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
@@ -483,14 +486,10 @@ def oci_config(
         },
     ]
     for target, source in binds.items():
-        mounts.append(
-            {
-                "destination": target,
-                "type": "bind",
-                "source": str(source),
-                "options": ["rbind", "ro" if target == EGRESS_DIR else "rw", "nosuid", "nodev"],
-            }
-        )
+        options = ["rbind", "ro" if target == EGRESS_DIR else "rw", "nosuid", "nodev"]
+        if target in written:
+            options.append("noexec")
+        mounts.append({"destination": target, "type": "bind", "source": str(source), "options": options})
     for cover, inside in mask_binds:
         mounts.append({"destination": inside, "type": "bind", "source": cover, "options": ["bind", "ro"]})
     return {

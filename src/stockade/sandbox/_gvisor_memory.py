@@ -52,7 +52,10 @@ if TYPE_CHECKING:
 AREAS = ("workspace", "tmp", "shm")  # the host tmpfs bound at /workspace, /tmp, /dev/shm
 # Part of every gVisor memory snapshot's machine key: raise it when what the host does
 # around a checkpoint or a restore changes.
-SNAPSHOT_VERSION = "2"  # 2: /dev/shm a host tmpfs too (an area), no longer gVisor's
+# 2: /dev/shm a host tmpfs too (an area), no longer gVisor's. 3: under a commands allowlist
+# the written places noexec in gVisor's view; a checkpoint keeps its mounts' flags whatever
+# config.json says at restore, so an older one under an allowlist would run written files.
+SNAPSHOT_VERSION = "3"
 RUNSC_TIMEOUT_S = 300.0
 IMAGE_ROLE = "memory"  # the role of checkpoint.img; any other file of the image: memory-<name>
 MAIN_IMAGE = "checkpoint.img"

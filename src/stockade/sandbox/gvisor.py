@@ -530,11 +530,15 @@ class RunscBackend(Backend):
         egress = None
         try:
             binds: dict[str, Path] = {}
+            # noexec on the host too, as under Docker: gVisor's kernel does not refuse an
+            # executable mapping of a noexec mount's file (a library in LD_PRELOAD, dlopen),
+            # the host kernel refuses it under gVisor's own mapping, and that code faults.
+            noexec = _rules.written_noexec(spec)
             for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                 path = bundle / _guest.host_folder(target)
                 path.mkdir()
                 mounts.append(path)  # before the mount: one cut short is undone too
-                _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
+                _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid, noexec=noexec)
                 binds[target] = path
                 if files is not None:
                     _gvisor_memory.unpack_area(
