@@ -96,7 +96,7 @@ def by_zygote(sock: socket.socket) -> None:
 def by_compiled(shim: str) -> None:
     r, w = os.pipe()
     actions = [(os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r)]
-    pid = os.posix_spawn(shim, ["shim", "-", "/", *COMMAND], ENV, file_actions=actions, setsid=True)
+    pid = os.posix_spawn(shim, ["shim", "-", "-", "/", *COMMAND], ENV, file_actions=actions, setsid=True)
     os.close(w)
     drain(r)
     os.waitpid(pid, 0)

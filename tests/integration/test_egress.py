@@ -981,9 +981,8 @@ def test_a_reset_cuts_the_last_users_requests_and_gives_the_next_a_fresh_budget(
         assert "/u1-POST" not in local.http_seen.paths[seen:], "the last user's request went out later"
 
 
-# More connections to the relay at once than the supervisor has descriptors for (it has the
-# code's RLIMIT_NOFILE), from two processes of the code's: how many of them were refused
-# (closed, or answered) within 3 s, rather than left hanging.
+# More connections to the relay at once than it carries (the proxy's 128), from two
+# processes of the code's: how many of them were refused (closed, or answered) within 3 s.
 MANY_CONNECTIONS = """
 import os, select, socket, sys, time
 for _ in range(2):
@@ -998,22 +997,63 @@ for _ in range(2):
         while len(refused) < len(socks) and time.monotonic() < deadline:
             ready, _, _ = select.select([s for s in socks if s not in refused], [], [], 0.2)
             refused.update(ready)
-        print(len(refused), flush=True)
+        print(len(socks), len(refused), flush=True)
         os._exit(0)
 os.wait(); os.wait()
 """
 
 
-def test_more_connections_than_the_supervisors_descriptors_are_refused_not_fatal(
+def test_connections_past_what_the_relay_carries_wait_rather_than_being_refused(
     egress_tier: str, local: Servers
 ) -> None:
-    """200 connections at once to the relay: those past what the supervisor's descriptors
-    allow are refused at once (not left in its backlog, nor the end of the supervisor), and
-    the sandbox still reaches its allowed hosts once they are closed."""
+    """200 connections at once to the relay: those past what it carries wait in its backlog
+    (none closed: before, each was accepted and closed at once, a reset for the code), the
+    supervisor lives, and the sandbox still reaches its allowed hosts once they are closed."""
     with _sandbox(egress_tier, local.policy()) as sbx:
         sbx.files.write("many.py", MANY_CONNECTIONS)
         r = sbx.commands.run("python3 many.py", timeout_s=60)
-        assert sum(map(int, r.stdout.split())) > 0, r.stdout + r.stderr
+        counts = [line.split() for line in r.stdout.splitlines()]
+        assert counts == [["100", "0"], ["100", "0"]], r.stdout + r.stderr
         assert sbx.run_code("1 + 1").text == "2"
         sbx.files.write("get.py", MANY_GETS)
         assert sbx.commands.run(f"python3 get.py {local.http_port} 1").stdout.split() == ["200"]
+
+
+# A package manager's burst: 100 requests from 50 threads, each on a connection of its own.
+BURST = """
+import concurrent.futures, sys, urllib.request
+port = int(sys.argv[1])
+def get(i):
+    try:
+        return urllib.request.urlopen(f"http://pkg.test:{port}/burst-{i}", timeout=60).status
+    except Exception as err:
+        return repr(err)
+codes = list(concurrent.futures.ThreadPoolExecutor(50).map(get, range(100)))
+print(sum(code == 200 for code in codes), [code for code in codes if code != 200][:3])
+"""
+
+
+def test_a_burst_of_fifty_connections_at_once_goes_through_at_default_limits(
+    egress_tier: str, local: Servers
+) -> None:
+    """At the default Limits (128 descriptors a process) the relay carries as many
+    connections at once as the proxy serves; before, it carried a quarter of the code's
+    descriptors (32), and the rest were reset: 32-64 of 200 such requests went through."""
+    network = local.policy(max_requests_per_minute=100_000)
+    with Sandbox.create(egress_tier, limits=Limits(timeout_s=120), network=network) as sbx:
+        sbx.files.write("burst.py", BURST)
+        r = sbx.commands.run(f"python3 burst.py {local.http_port}")
+        assert r.stdout.split(" ", 1)[0] == "100", r.stdout + r.stderr
+
+
+def test_the_codes_descriptor_limit_is_its_own_not_the_relays(egress_tier: str, local: Servers) -> None:
+    """The supervisor holds the relay's descriptors besides the code's: every process of the
+    code's (a command, run_code's interpreter) still has ``files_per_process``, soft and
+    hard, and cannot raise it."""
+    limits = Limits()
+    each = str(limits.files_per_process)
+    with Sandbox.create(egress_tier, network=local.policy()) as sbx:
+        assert sbx.commands.run("ulimit -Sn; ulimit -Hn").stdout.split() == [each, each]
+        assert sbx.commands.run(f"ulimit -Hn {limits.files_per_process + 1}").exit_code != 0
+        got = sbx.run_code("import resource; list(resource.getrlimit(resource.RLIMIT_NOFILE))").text
+        assert got == f"[{each}, {each}]"

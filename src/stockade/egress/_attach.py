@@ -29,7 +29,7 @@ from typing import Any
 from stockade.egress import _loop, _preload
 from stockade.egress._mux import Mux
 from stockade.egress._sources import SECRETS_TIMEOUT_S, secrets_within
-from stockade.egress.proxy import EgressProxy, Resolver
+from stockade.egress.proxy import MAX_CONNECTIONS, EgressProxy, Resolver
 from stockade.sandbox.base import SandboxSpec
 
 __all__ = ["PROXY_PORT", "SANDBOX_DIR", "Attachment", "attach", "attach_port", "proxy_env"]
@@ -183,6 +183,7 @@ def attach(
             # network namespace: a reset counts those as the host's (supervisor/netstate.py).
             "host_name": str(attachment.socket_path),
             "warm": WARM_CONNECTIONS,
+            "pairs": MAX_CONNECTIONS,  # as many at once as the proxy serves
         }
     except BaseException:
         attachment.close()

@@ -13,7 +13,7 @@ import os
 from stockade import exceptions as exc
 from stockade.sandbox import _filetable, _guest, _netfull
 from stockade.sandbox._docker_settings import DockerSettings
-from stockade.sandbox._supervised import TIMEOUT_MARGIN_S, UNPRIORITIZED_TIMEOUT_MARGIN_S
+from stockade.sandbox._supervised import RELAY_FILES, TIMEOUT_MARGIN_S, UNPRIORITIZED_TIMEOUT_MARGIN_S
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism
 
@@ -83,7 +83,7 @@ class DockerPlan(DockerSettings):
             host = HostShare(
                 memory_mb=limits.memory_mb,
                 tasks=limits.pids,
-                open_files=limits.total_open_files,
+                open_files=limits.total_open_files + RELAY_FILES,  # the supervisor's relay too
                 mapped_files=_filetable.mapped_files(limits.memory_mb, limits.pids),
             )
         return Enforcement(

@@ -27,7 +27,7 @@ from stockade import exceptions as exc
 from stockade.sandbox import _builds, _host, _rules, _rules_binds, _rules_copies, _trusted
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
-from stockade.sandbox._supervised import WORKSPACE, Boundary
+from stockade.sandbox._supervised import WORKSPACE, Boundary, supervisor_files
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.supervisor import sources as supervisor_sources
 from stockade.types import Limits
@@ -509,7 +509,8 @@ def oci_config(
             },
             "rlimits": [
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
-                {"type": "RLIMIT_NOFILE", "hard": limits.files_per_process, "soft": limits.files_per_process},
+                # The supervisor's (its relay's besides): it gives what it starts the code's.
+                {"type": "RLIMIT_NOFILE", "hard": supervisor_files(limits), "soft": supervisor_files(limits)},
             ],
             "noNewPrivileges": True,
         },

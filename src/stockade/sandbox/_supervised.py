@@ -29,6 +29,7 @@ from typing import Any
 from stockade import _exit
 from stockade import exceptions as exc
 from stockade._display import visible
+from stockade.egress.proxy import MAX_CONNECTIONS
 from stockade.sandbox import _rules, _rules_execs
 from stockade.sandbox._approver import ANSWER_BY, answered, cut_requested
 from stockade.sandbox._boundary import Boundary, EgressHandle
@@ -87,6 +88,7 @@ from stockade.types import (
     CommandResult,
     Enforcement,
     Execution,
+    Limits,
     Snapshot,
     SnapshotKind,
 )
@@ -108,6 +110,9 @@ TIMEOUT_MARGIN_S = Enforcement.timeout_margin_s  # 1 s
 # gVisor 0.1-0.35 s late on an idle 2-core host, 1.1 s on a slower shared one; under TCG 1.6 s.
 UNPRIORITIZED_TIMEOUT_MARGIN_S = 2.5
 WORKSPACE = "/workspace"
+# The supervisor's egress relay carries as many connections at once as the host's proxy
+# serves, two descriptors each (supervisor/egress.py): a package manager's burst fits.
+RELAY_FILES = 2 * MAX_CONNECTIONS
 # What the JSON of a report may make: a list and an object per result, four values per MIME
 # entry (key, value, their separators), the error and the cap's notes. Parsed, the worst
 # report of this size is a few MiB of objects (a 30 MB report of empty results was 2.5 GB).
@@ -830,6 +835,8 @@ def supervisor_config(
         "timeout": spec.limits.timeout_s,
         # Descriptors per process, so that the sandbox's processes hold open_files in all.
         "rlimits": {"RLIMIT_NOFILE": spec.limits.files_per_process, **(rlimits or {})},
+        # The supervisor's own (supervisor.own_files): the code's and its relay's besides.
+        "files": supervisor_files(spec.limits),
     }
     if egress is not None:
         config["egress"] = dict(egress.relay)
@@ -844,6 +851,13 @@ def supervisor_config(
     if spec.rules is not None and spec.rules.judges_paths:
         config["links"] = False  # files calls are judged by the path they name: no link followed
     return config
+
+
+def supervisor_files(limits: Limits) -> int:
+    """RLIMIT_NOFILE of the supervisor: a process's of the code (``files_per_process``) and
+    ``RELAY_FILES`` besides, for its egress relay's connections. What it starts has the
+    code's (the tiers give the sandbox this much; the supervisor lowers it for the code)."""
+    return limits.files_per_process + RELAY_FILES
 
 
 def sandbox_id(spec: SandboxSpec) -> str:

@@ -51,7 +51,13 @@ from stockade.sandbox._docker_supervisor import SupervisorFiles
 from stockade.sandbox._gvisor_memory import ContainerMemory
 from stockade.sandbox._host import NO_TIME_WAIT, NO_TIMESTAMPED_DATA
 from stockade.sandbox._hostinfo import engine_masked_paths
-from stockade.sandbox._supervised import WORKSPACE, SupervisedInstance, sandbox_id, supervisor_config
+from stockade.sandbox._supervised import (
+    WORKSPACE,
+    SupervisedInstance,
+    sandbox_id,
+    supervisor_config,
+    supervisor_files,
+)
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Mechanism, TierReport
 
@@ -203,8 +209,9 @@ class DockerBackend(DockerPlan, SupervisorFiles):
             pids_limit=pids,
             ulimits=[
                 docker.types.Ulimit(name="core", soft=0, hard=0),
+                # The supervisor's (its relay's besides): it gives what it starts the code's.
                 docker.types.Ulimit(
-                    name="nofile", soft=limits.files_per_process, hard=limits.files_per_process
+                    name="nofile", soft=supervisor_files(limits), hard=supervisor_files(limits)
                 ),
             ],
             init=False,

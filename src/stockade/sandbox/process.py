@@ -71,6 +71,7 @@ from stockade.sandbox._process_bwrap import (
 from stockade.sandbox._process_from_template import from_template
 from stockade.sandbox._process_rundirs import claim_rundir, collect_garbage, default_state_dir
 from stockade.sandbox._supervised import (
+    RELAY_FILES,
     SupervisedInstance,
     sandbox_id,
     supervisor_config,
@@ -207,7 +208,7 @@ class ProcessBackend(Backend):
             host=HostShare(
                 memory_mb=limits.memory_mb,
                 tasks=limits.pids,
-                open_files=limits.total_open_files,
+                open_files=limits.total_open_files + RELAY_FILES,  # the supervisor's relay too
                 mapped_files=_filetable.mapped_files(limits.memory_mb, limits.pids),
             )
             if cg is not Mechanism.NONE

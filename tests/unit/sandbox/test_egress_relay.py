@@ -126,6 +126,36 @@ def test_a_warm_connection_the_proxy_refused_is_not_handed_out(proxy: socket.soc
         relay.close()
 
 
+def test_past_its_pairs_the_relay_leaves_connections_waiting_not_closed(
+    proxy: socket.socket, tmp_path: Path
+) -> None:
+    """A full relay stops accepting: the code's next connection waits in the backlog and is
+    carried once a pair ends. Before, it was accepted and closed: a reset, no answer."""
+    poller = Poller()
+    port = _free_port()
+    relay = egress.Relay(poller, {"socket": str(tmp_path / "proxy.sock"), "listen": port, "pairs": 2})
+    with contextlib.ExitStack() as held:
+        clients = [
+            held.enter_context(socket.create_connection(("127.0.0.1", port), timeout=2)) for _ in range(3)
+        ]
+        poller.pump()
+        carried = [held.enter_context(_accepted(proxy)) for _ in range(2)]
+        assert len(relay.ends) == 4 and relay.paused
+        clients[2].setblocking(False)
+        with pytest.raises(BlockingIOError):  # open, not reset nor ended: it waits
+            clients[2].recv(1)
+        clients[0].close()
+        carried[0].close()
+        poller.pump()
+        third = held.enter_context(_accepted(proxy))  # its turn once a pair ended
+        clients[2].setblocking(True)
+        clients[2].sendall(b"hello")
+        poller.pump()
+        assert third.recv(100) == b"hello" and not relay.paused
+        relay.close()
+    assert not relay.ends and not poller.data
+
+
 def test_half_closes_go_through_both_ways_and_an_end_out_of_the_poller_comes_back(
     proxy: socket.socket, tmp_path: Path
 ) -> None:

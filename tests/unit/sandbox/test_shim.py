@@ -7,6 +7,7 @@ the program left behind, and says why when it cannot start it, with the shell's 
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -35,7 +36,7 @@ def run(
     shim: Path, cwd: str, argv: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(shim), "-", cwd, *argv],
+        [str(shim), "-", "-", cwd, *argv],
         capture_output=True,
         text=True,
         timeout=30,
@@ -51,6 +52,19 @@ def test_it_runs_the_program_from_path_in_its_folder_and_ends_as_it_did(shim: Pa
     assert (done.returncode, done.stdout, done.stderr) == (3, f"{tmp_path}\nme\n", "err\n")
     by_path = run(shim, "/", ["/bin/sh", "-c", "exit 0"])
     assert by_path.returncode == 0
+
+
+def test_it_starts_the_program_with_the_codes_descriptor_limit(shim: Path) -> None:
+    """FILES is the code's RLIMIT_NOFILE, soft and hard, below the supervisor's (which holds
+    its relay's connections besides): "-" leaves the supervisor's."""
+    done = subprocess.run(
+        [str(shim), "-", "64", "/", "sh", "-c", "ulimit -Sn; ulimit -Hn"],
+        capture_output=True, text=True, timeout=30, check=False, env={"PATH": PATH}, start_new_session=True,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout.split()) == (0, ["64", "64"]), done.stderr
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    ours = run(shim, "/", ["sh", "-c", "ulimit -Hn"]).stdout.strip()
+    assert ours == ("unlimited" if hard == resource.RLIM_INFINITY else str(hard))
 
 
 def test_a_program_ended_by_a_signal_ends_the_shim_by_the_same_signal(shim: Path) -> None:

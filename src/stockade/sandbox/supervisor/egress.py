@@ -9,7 +9,11 @@ ignores signals), gains nothing.
 
 It runs in the supervisor (not a process of its own) so that code cannot kill it, and at
 the supervisor's priority, above the code's. Each direction holds at most ``BUF`` bytes:
-a slow reader slows its writer, the supervisor's memory stays bounded.
+a slow reader slows its writer, the supervisor's memory stays bounded. It carries as many
+connections at once as the host's proxy serves (``pairs``; the host gives the supervisor
+the descriptors for them besides the code's limit): past that, the relay stops accepting
+until a connection ends, and the code's further connects wait in the listener's backlog
+(before, each was accepted and closed: a package manager's burst of 50 saw resets).
 
 ``Relay`` keeps ``warm`` connections to the proxy open ahead of need: a client's connection
 is paired with one the proxy has already accepted (and started serving), so a request does
@@ -32,18 +36,19 @@ BUF = 256 * 1024
 CHUNK = 64 * 1024
 IN = select.EPOLLIN
 OUT = select.EPOLLOUT
-MAX_PAIRS = 256  # connections at once; the host's proxy caps them too
+MAX_PAIRS = 128  # connections at once unless the host says (``pairs``: its proxy's limit)
+OWN_FILES = 32  # descriptors kept for the supervisor's own work, beyond the relay's
 WARM_MAX_AGE_S = 20.0  # well inside the proxy's 30 s for a connection's first request
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 
 
-def _max_pairs():
-    """Pairs at once within the supervisor's descriptors (it has the code's RLIMIT_NOFILE,
-    128 on some tiers; a pair is two): half of them left to the supervisor's own work."""
+def _max_pairs(wanted):
+    """Pairs at once (a pair is two descriptors): ``wanted``, or fewer where the
+    supervisor's descriptors are fewer than the host sized them for, ``OWN_FILES`` kept."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
-        return MAX_PAIRS
-    return max(1, min(MAX_PAIRS, soft // 4))
+        return wanted
+    return max(1, min(wanted, (soft - OWN_FILES) // 2))
 
 
 class _Spare:
@@ -102,6 +107,20 @@ def _quiet(sock):
     return False  # closed (nothing but EOF) or answered
 
 
+def _pause(sel, listener):
+    """Stop accepting: what code connects meanwhile waits in the listener's backlog."""
+    try:
+        sel.unregister(listener.fileno())
+    except KeyError:
+        pass
+
+
+def _resume(sel, listener, relay):
+    """Accept again (the listener is level-triggered: what waited wakes the loop at once)."""
+    if listener.fileno() >= 0:
+        sel.register(listener.fileno(), IN, ("egress", relay))
+
+
 def _listen(sel, config, relay):
     """The relay's socket on the sandbox's loopback (where HTTP_PROXY points)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -134,7 +153,8 @@ class Relay:
         self.listener = _listen(sel, config, self)
         self.warm = max(0, int(config.get("warm", 0)))
         self.idle = {}  # fd -> (socket, when connected): warm connections not yet given out
-        self.max_pairs = _max_pairs()
+        self.max_pairs = _max_pairs(int(config.get("pairs", MAX_PAIRS)))
+        self.paused = False  # full: the listener out of the poller until a pair ends
         self.spare = _Spare()
         self._refill()
 
@@ -161,14 +181,17 @@ class Relay:
     def _accept(self):
         # One per wake-up: the listener is level-triggered, so another connection waiting
         # wakes the loop again, and the usual one spares the accept that finds nothing.
+        if len(self.ends) >= 2 * self.max_pairs:
+            self._pause()
+            return
         try:
             client, _ = self.listener.accept()
-        except OSError as exc:  # nothing waiting; or out of descriptors: that one refused
+        except OSError as exc:  # nothing waiting; or out of descriptors
             if exc.errno in OUT_OF_FDS:
-                self.spare.refuse(self.listener)
-            return
-        if len(self.ends) >= 2 * self.max_pairs:
-            client.close()
+                if self.ends:  # it waits for a pair to end
+                    self._pause()
+                else:  # none will: that one refused, not left to spin the loop
+                    self.spare.refuse(self.listener)
             return
         upstream = self._take_warm() or self._connect()
         if upstream is None:
@@ -185,6 +208,16 @@ class Relay:
             self.ends[end.sock.fileno()] = end
             end.events = IN
             self.sel.register(end.sock.fileno(), IN, ("egress", self))
+
+    def _pause(self):
+        if not self.paused:
+            _pause(self.sel, self.listener)
+            self.paused = True
+
+    def _resume(self):
+        if self.paused and len(self.ends) < 2 * self.max_pairs:
+            _resume(self.sel, self.listener, self)
+            self.paused = False
 
     def _connect(self):
         try:  # out of descriptors too: that connection is refused, the supervisor goes on
@@ -298,6 +331,7 @@ class Relay:
                     self.sel.unregister(fd)
             e.sock.close()
         self._refill()  # a client that sent nothing took one too
+        self._resume()
 
     def renew(self):
         """For the next user (a reset in place): every connection of the last user's code
@@ -307,6 +341,7 @@ class Relay:
             self._drop(end)
         _unlisten(self.sel, self.listener)
         self.listener = _listen(self.sel, self.config, self)
+        self.paused = False
 
     def close(self):
         self.warm = 0  # nothing refilled on the way out
@@ -366,7 +401,8 @@ class MuxRelay:
         self.by_fd = {}
         self.next_sid = 1
         self.config = config
-        self.max_streams = min(MUX_STREAMS, 2 * _max_pairs())
+        self.max_streams = min(MUX_STREAMS, 2 * _max_pairs(MUX_STREAMS))  # a stream is one
+        self.paused = False  # full: the listener out of the poller until a stream ends
         self.spare = _Spare()
         self.listener = _listen(sel, config, self)
         sel.register(self.port, IN, ("egress", self))
@@ -381,6 +417,7 @@ class MuxRelay:
             self._drop(stream, tell=False)
         _unlisten(self.sel, self.listener)
         self.listener = _listen(self.sel, self.config, self)
+        self.paused = False
         self._send(frame(HELLO, 0))
 
     # -- events ----------------------------------------------------------------------------
@@ -407,15 +444,18 @@ class MuxRelay:
 
     def _accept(self):
         while True:
+            if len(self.streams) >= self.max_streams:  # the rest wait in the backlog
+                self._pause()
+                return
             try:
                 client, _ = self.listener.accept()
-            except OSError as exc:  # nothing waiting; or out of descriptors: that one refused
+            except OSError as exc:  # nothing waiting; or out of descriptors
                 if exc.errno in OUT_OF_FDS:
-                    self.spare.refuse(self.listener)
+                    if self.streams:  # it waits for a stream to end
+                        self._pause()
+                    else:  # none will: that one refused, not left to spin the loop
+                        self.spare.refuse(self.listener)
                 return
-            if len(self.streams) >= self.max_streams:
-                client.close()
-                continue
             client.setblocking(False)
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sid = self.next_sid
@@ -426,6 +466,16 @@ class MuxRelay:
             stream.events = IN
             self.sel.register(client.fileno(), IN, ("egress", self))
             self._send(frame(OPEN, sid))
+
+    def _pause(self):
+        if not self.paused:
+            _pause(self.sel, self.listener)
+            self.paused = True
+
+    def _resume(self):
+        if self.paused and len(self.streams) < self.max_streams:
+            _resume(self.sel, self.listener, self)
+            self.paused = False
 
     def _read(self, stream):
         if stream.eof_in or stream.credit <= 0 or len(self.port_out) >= PORT_HIGH:
@@ -543,6 +593,7 @@ class MuxRelay:
         stream.sock.close()
         if tell:
             self._send(frame(CLOSE, stream.sid))
+        self._resume()
 
     def _settle(self):
         """What each socket waits for next (reading stops without credit or room)."""

@@ -44,6 +44,32 @@ IGNORED_SIGNALS = (
 # The sandbox's code runs at this nice value, the supervisor at 0: within the sandbox's own
 # cgroup (or kernel) the supervisor wins the CPU, and nothing changes for the host.
 USER_NICE = 19
+# The code's RLIMIT_NOFILE where the supervisor keeps more descriptors than the code may
+# hold (its egress relay's connections: supervisor.configure); 0 where they are the same.
+# Every process of the code's is started with it, soft and hard (``code_files_word``).
+_code_files = [0]
+
+
+def set_code_files(files: int) -> None:
+    _code_files[0] = files
+
+
+def code_files() -> int:
+    return _code_files[0]
+
+
+def code_files_word() -> str:
+    """The compiled shim's FILES argument: the code's descriptor limit, or "-" (ours)."""
+    return str(_code_files[0]) if _code_files[0] > 0 else "-"
+
+
+def limit_files() -> None:
+    """In a forked child, its descriptors moved low and the rest closed: the code's limit,
+    which the child (and all it starts) cannot raise again."""
+    if _code_files[0] > 0:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_code_files[0], _code_files[0]))
+
+
 _libc_funcs: "dict[str, Any]" = {}
 _libc_types: "list[Any]" = []
 
@@ -428,6 +454,7 @@ def _enter(
     for i, fd in enumerate(moved):
         os.dup2(fd, 3 + i)
     os.closerange(base, 1 << 20)
+    limit_files()
     os.setsid()
     _code_goes_first()
 
@@ -546,14 +573,15 @@ def spawn_program(
     ``spawned`` do in a fork of ours, without the fork (posix_spawn: vfork and exec). The
     shim leads a new session, every signal at its default and none blocked; it becomes
     the subreaper, enters the Landlock domain of ``ruleset`` (its fd, or -1), closes every
-    other fd, enters ``cwd`` and starts ``argv``. Not where execs are judged: the judge
-    would stop the shim's own exec (judge.c's ``stockade_spawn`` is for that)."""
+    other fd, takes the code's descriptor limit, enters ``cwd`` and starts ``argv``. Not
+    where execs are judged: the judge would stop the shim's own exec (judge.c's
+    ``stockade_spawn`` is for that)."""
     actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)]
     if ruleset >= 0:
         actions.append((os.POSIX_SPAWN_DUP2, ruleset, 3))  # open across the exec, at 3
     return os.posix_spawn(
         f"/proc/self/fd/{shim}",
-        [SHIM, "3" if ruleset >= 0 else "-", cwd, *argv],
+        [SHIM, "3" if ruleset >= 0 else "-", code_files_word(), cwd, *argv],
         env,
         file_actions=actions,
         setsid=True,

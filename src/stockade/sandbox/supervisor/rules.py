@@ -29,7 +29,7 @@ from protocol import (
     dumps,
     text_size,
 )
-from reaper import IGNORED_SIGNALS
+from reaper import IGNORED_SIGNALS, code_files_word
 
 # Of a report's records (and of their bytes), the room the execs the rules let run may take:
 # the rest is kept for those they stopped or asked about, so that a loop of 1,000 `true`
@@ -262,7 +262,15 @@ class Rules:
         import _ctypes
 
         def spawn(ruleset: int) -> int:
-            words = [f"/proc/self/fd/{shim}", "shim", str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
+            files = code_files_word()
+            words = [
+                f"/proc/self/fd/{shim}",
+                "shim",
+                str(ruleset) if ruleset >= 0 else "-",
+                files,
+                cwd,
+                *argv,
+            ]
             entries = words + [f"{key}={value}" for key, value in env.items()]
             if any("\0" in entry for entry in entries):
                 raise ValueError("embedded null byte")

@@ -1,12 +1,14 @@
 /* The command shim: what every command runs under, spawned by the supervisor.
  *
- *     shim RULESET CWD PROGRAM ARG...        (environment: the command's)
+ *     shim RULESET FILES CWD PROGRAM ARG...  (environment: the command's)
  *
  * The supervisor starts it with posix_spawn (vfork: nothing of the supervisor's memory is
  * copied) as the leader of a new session, its pipes as 0/1/2, every signal at its default
  * (the shim unblocks them all). The shim makes itself a child subreaper, marks itself first for the
  * OOM killer, takes nice 19, enters the policy's Landlock domain (RULESET: the ruleset's
- * descriptor, or "-"), closes every other descriptor, enters CWD, then starts the
+ * descriptor, or "-"), closes every other descriptor, takes FILES as its descriptor limit
+ * (the code's RLIMIT_NOFILE, soft and hard, where the supervisor holds more; "-": the
+ * supervisor's), enters CWD, then starts the
  * command (PROGRAM searched in the environment's PATH unless it has a slash). When the
  * command ends, whatever it left behind (adopted by the shim) is killed, every child is
  * reaped, and the shim ends as the command did: its exit status, or its signal.
@@ -53,6 +55,7 @@ typedef long i64;
 #define PRIO_PROCESS 0
 #define USER_NICE 19
 #define RLIMIT_CORE 4
+#define RLIMIT_NOFILE 7
 #define SIGKILL 9
 #define SIGCHLD 17
 #define CLONE_VM 0x100
@@ -352,14 +355,16 @@ __attribute__((used)) int shim(i64 *stack) {
     i64 argc = stack[0];
     char **argv = (char **)(stack + 1);
     char **envp = argv + argc + 1;
-    if (argc < 4) {
-        say("stockade shim: usage: shim RULESET CWD PROGRAM ARG...\n");
+    if (argc < 5) {
+        say("stockade shim: usage: shim RULESET FILES CWD PROGRAM ARG...\n");
         return 126;
     }
     const char *end;
     i64 ruleset = number(argv[1], &end);
     if (*end || end == argv[1]) ruleset = -1; /* "-": no Landlock domain */
-    argv++;
+    i64 files = number(argv[2], &end);
+    if (*end || end == argv[2]) files = -1; /* "-": the supervisor's limit */
+    argv += 2;
     /* Started non-dumpable where execs are judged (the supervisor's memfd of us is not
      * readable there: reaper.runnable_only), so that while our exec, which carried the exec
      * key in its registers, was under way, no process of the code could read our /proc
@@ -386,6 +391,12 @@ __attribute__((used)) int shim(i64 *stack) {
         if (r < 0) return fail("cannot enter the policy's Landlock domain", "", -r, 126);
     }
     close_from_3();
+    if (files > 0) {
+        /* After the close: the supervisor's descriptors (its relay's) may sit above it. */
+        u64 limit[2] = {(u64)files, (u64)files};
+        i64 r = sc(SYS_setrlimit, RLIMIT_NOFILE, (i64)limit, 0, 0);
+        if (r < 0) return fail("cannot take the code's descriptor limit", "", -r, 126);
+    }
     i64 err = sc(SYS_chdir, (i64)argv[1], 0, 0, 0);
     if (err < 0) {
         say("stockade: cannot enter ");

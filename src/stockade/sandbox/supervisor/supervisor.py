@@ -76,6 +76,7 @@ from reaper import (
     private_page,
     runnable_only,
     scrub_freed,
+    set_code_files,
 )
 from zygote import Zygote
 from zygote import start as start_zygote
@@ -130,6 +131,23 @@ class Poller:
         except InterruptedError:
             return []
         return [(self._keys[fd], ev) for fd, ev in ready if fd in self._keys]
+
+
+def own_files(cfg: "dict[str, Any]") -> bool:
+    """Take our descriptor limit, ``files`` (the code's and the egress relay's connections),
+    and leave the code's (``rlimits``) to what we start (``reaper.set_code_files``); whether
+    we did. Where we cannot have more (a hard limit under it, no privilege) we keep the
+    code's, as before, and the relay carries fewer connections."""
+    files = int(cfg.get("files", 0))
+    code = int(cfg.get("rlimits", {}).get("RLIMIT_NOFILE", 0))
+    if code <= 0 or files <= code:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+    except (OSError, ValueError):
+        return False
+    set_code_files(code)
+    return True
 
 
 class Supervisor:
@@ -196,7 +214,10 @@ class Supervisor:
         self.workspace = Workspace(cfg.get("workspace", "/workspace"), links=bool(cfg.get("links", True)))
         self.output_cap = int(cfg.get("output_cap", self.output_cap))
         self.default_timeout = float(cfg.get("timeout", self.default_timeout))
+        ours = own_files(cfg)  # before the code's limit, which we could not raise again
         for name, value in cfg.get("rlimits", {}).items():
+            if ours and name == "RLIMIT_NOFILE":
+                continue
             res = getattr(resource, name)
             resource.setrlimit(res, (int(value), int(value)))
         if "MALLOC_ARENA_MAX" in self.env:

@@ -29,7 +29,15 @@ import os
 import select
 import sys
 
-from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, prctl, scrub_freed, spawn_leader
+from reaper import (
+    IGNORED_SIGNALS,
+    PR_SET_CHILD_SUBREAPER,
+    code_files,
+    limit_files,
+    prctl,
+    scrub_freed,
+    spawn_leader,
+)
 
 STOP_CHECK_S = 0.05  # how often a wait for the zygote's answer looks whether it was stopped
 
@@ -76,7 +84,7 @@ class Zygote:
             return ["the zygote is dead or stopped"]
         import baseline
 
-        problems = baseline.differences(base, self.pid)
+        problems = baseline.differences(_as_started(base), self.pid)
         if not problems:
             try:  # a signal sent just before the reset may not have taken effect yet
                 self._ask(b"P", (), PING_S)
@@ -161,6 +169,7 @@ def start(
         try:
             ours.close()
             _close_all_but({0, 1, 2, theirs.fileno(), devnull, *keep})
+            limit_files()  # the code's, as every interpreter's (ours holds the relay's too)
             prctl(PR_SET_CHILD_SUBREAPER, 1)  # what an interpreter leaves behind is ours (see _fork_one)
             scrub_freed(False)  # the supervisor's, not the interpreters': user code pays nothing
             _serve(theirs, workspace, env, confine, devnull)
@@ -229,6 +238,21 @@ def _serve(
         for fd in fds:
             os.close(fd)
         sock.sendall(reply.to_bytes(PID, "big", signed=True))
+
+
+def _as_started(base: "dict[str, Any]") -> "dict[str, Any]":
+    """The settings the zygote starts with: ours (``base``), but for the code's descriptor
+    limit where we hold more (reaper.set_code_files)."""
+    files = code_files()
+    if not files:
+        return base
+    import resource
+
+    # By each of its names (RLIMIT_OFILE is another, where the module has it).
+    nofile = {
+        name: [files, files] for name in base["rlimits"] if getattr(resource, name) == resource.RLIMIT_NOFILE
+    }
+    return dict(base, rlimits=dict(base["rlimits"], **nofile))
 
 
 def _load() -> None:
