@@ -156,12 +156,14 @@ class Tunnels:
         finally:
             for task in pumps:
                 task.cancel()
-            if pumps:
-                await asyncio.gather(*pumps, return_exceptions=True)
-            if client.gone() or upstream.gone():
-                upstream.abort()  # nobody left to hear the rest, nor to wait for it to be sent
-            else:
-                upstream.close_within(LINGER_S)
+            try:
+                if pumps:
+                    await asyncio.gather(*pumps, return_exceptions=True)
+            finally:  # cut while the pumps end (``close``): the server's connection is closed all the same
+                if client.gone() or upstream.gone():
+                    upstream.abort()  # nobody left to hear the rest, nor to wait for it to be sent
+                else:
+                    upstream.close_within(LINGER_S)
 
     async def _open(
         self, client: Plain, upstream: Plain, first: bytes, counts: list[int], records: Records

@@ -29,6 +29,7 @@ import itertools
 import re
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -937,14 +938,18 @@ class Counting:
     """A raw TCP server on 127.0.0.2 that takes one connection and keeps what it got, as it
     comes, until the connection's end (``ended``). Once its first bytes came it sends
     ``answer`` (by default the start of a TLS server's); ``b""``: it closes instead;
-    ``None``: it never sends."""
+    ``None``: it never sends. ``probe``: after the end it sends on, a byte every 50 ms for
+    up to 5 s, until one is refused (``refused``): the proxy's socket is closed, not only
+    shut for writing (then it takes them)."""
 
-    def __init__(self, answer: bytes | None = SERVER_HELLO) -> None:
+    def __init__(self, answer: bytes | None = SERVER_HELLO, *, probe: bool = False) -> None:
         self.answer = answer
+        self.probe = probe
         self.sock = socket.create_server(("127.0.0.2", 0))
         self.port = int(self.sock.getsockname()[1])
         self.got = b""
         self.ended = threading.Event()
+        self.refused = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -958,7 +963,18 @@ class Counting:
                 if answer is not None:
                     conn.sendall(answer)
                     answer = None
+            if self.probe:
+                self._probe(conn)
         self.ended.set()
+
+    def _probe(self, conn: socket.socket) -> None:
+        for _ in range(100):
+            try:
+                conn.sendall(b"?")
+            except OSError:  # reset: the proxy's end is closed
+                self.refused.set()
+                return
+            time.sleep(0.05)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -1116,6 +1132,31 @@ def test_a_record_header_a_read_ends_inside_waits_for_the_rest_of_it() -> None:
     assert server.got == hello + record and back == b"" and closed
     (tunnel,) = records
     assert (tunnel.rule, tunnel.bytes_out) == ("tls (records)", len(hello + record))
+
+
+async def _reset_then_close(raw: socket.socket, proxy: EgressProxy, turns: int) -> None:
+    """The client's connection reset, then ``turns`` turns of the proxy's loop, then its close."""
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    raw.close()
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    await proxy.close()
+
+
+def test_a_closed_proxy_closes_a_spliced_tunnels_server_connection_whenever_it_cuts_it() -> None:
+    """``close`` cuts a spliced tunnel in whatever turn of the loop it comes after the client
+    went away: the splice's cleanup too, while it waits for its pumps to end. The connection
+    to the server is closed all the same. Before, a cut there skipped the close: the server's
+    connection stayed open, and its socket was left to the garbage collector (an unclosed
+    transport's ``ResourceWarning``, in whatever test ran then)."""
+    hello = _client_hello("raw.test")
+    for turns in range(16):
+        server = Counting(probe=True)
+        with _spliced(server, []) as (proxy, raw):
+            raw.sendall(hello)
+            assert raw.recv(len(SERVER_HELLO), socket.MSG_WAITALL) == SERVER_HELLO
+            _loop.call(_reset_then_close(raw, proxy, turns))
+        assert server.refused.is_set(), f"the server's connection outlived the proxy ({turns} turns)"
 
 
 @pytest.mark.parametrize("version", ["TLSv1_2", "TLSv1_3"])
