@@ -13,6 +13,7 @@ from stockade.sandbox import _registry
 from tests.conftest import require_tier
 from tests.integration.microvm_images import microvm_boot_images  # noqa: F401 - a fixture
 from tests.integration.service_env import postgres_url, redis_queue  # noqa: F401 - the service's fixtures
+from tests.integration.written_library import written_library  # noqa: F401 - a fixture
 
 # Every tier must pass the same conformance and containment suites.
 TIERS = [t for t in os.environ.get("STOCKADE_TEST_TIERS", ",".join(_registry.TIERS)).split(",") if t]

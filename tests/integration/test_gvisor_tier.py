@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
 import sysconfig
 from collections.abc import Iterator
@@ -251,10 +250,6 @@ LIMITS = Limits(memory_mb=256, timeout_s=20)
 REFUSED = {"subprocess": "EACCES", "sh": "exit 126", "execv": "exit 126"}
 RAN = {"subprocess": "ran", "sh": "ran", "execv": "ran"}
 LISTED = SandboxRules(allow=("python3", "sh", "ls"))
-PRELOADED = r"""
-#include <unistd.h>
-__attribute__((constructor)) static void ran(void) { write(1, "RAN-A-WRITTEN-LIBRARY\n", 22); }
-"""
 
 
 def _gvisor(mode: str, request: pytest.FixtureRequest) -> Backend:
@@ -304,16 +299,6 @@ def test_under_docker_under_an_allowlist_no_file_the_code_wrote_runs_but_it_faul
     with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
         for place, outcomes in _run_written_copies(sbx).items():
             assert outcomes == RAN, place
-
-
-@pytest.fixture(scope="module")
-def written_library(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """A shared object whose code says it ran, as code in the sandbox could bring one."""
-    require("a C compiler (gcc)", shutil.which("gcc") is not None)
-    folder = tmp_path_factory.mktemp("library")
-    (folder / "x.c").write_text(PRELOADED)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "x.so"), str(folder / "x.c")], check=True)
-    return (folder / "x.so").read_bytes()
 
 
 @pytest.mark.parametrize("mode", ["docker", "runsc"])

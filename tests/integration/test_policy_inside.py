@@ -274,25 +274,6 @@ def test_under_an_allowlist_no_unlisted_program_runs_through_a_raced_exec_of_the
         )
 
 
-PRELOADED = r"""
-#include <unistd.h>
-__attribute__((constructor)) static void ran(void) { write(1, "RAN-A-WRITTEN-LIBRARY\n", 22); }
-"""
-
-
-@pytest.fixture(scope="module")
-def written_library(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """A shared object whose code says it ran, as code in the sandbox could bring one."""
-    import shutil
-    import subprocess
-
-    require("a C compiler (gcc)", shutil.which("gcc") is not None)
-    folder = tmp_path_factory.mktemp("library")
-    (folder / "x.c").write_text(PRELOADED)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "x.so"), str(folder / "x.c")], check=True)
-    return (folder / "x.so").read_bytes()
-
-
 def test_a_script_of_the_image_is_judged_as_its_interpreter_runs_it(tier: str) -> None:
     # ldd is a bash script of the image: for `ldd --version` the kernel runs `bash
     # /usr/bin/ldd --version`, with no exec of its own. The compiled judge, which allows ldd
