@@ -24,7 +24,7 @@ from stockade.sandbox import _registry
 from stockade.types import Trust
 
 if TYPE_CHECKING:
-    from stockade.server.mcp_server import McpFace
+    from stockade.server.mcp_face import McpFace
 
 err = CliConsole(stderr=True)
 
@@ -141,7 +141,7 @@ def mcp(
     from stockade.agent import RunLimits
     from stockade.assembly import AgentConfig
     from stockade.server.connections import ConnectionLimits
-    from stockade.server.mcp_server import LOOPBACK, MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
+    from stockade.server.mcp_face import LOOPBACK, MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
     from stockade.server.mcp_session import MODEL_NAME, McpAgent
 
     checked(idle_timeout, "--idle-timeout")
