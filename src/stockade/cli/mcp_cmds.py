@@ -141,8 +141,10 @@ def mcp(
     from stockade.agent import RunLimits
     from stockade.assembly import AgentConfig
     from stockade.server.connections import ConnectionLimits
-    from stockade.server.mcp_face import LOOPBACK, MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
+    from stockade.server.mcp_face import McpFace
+    from stockade.server.mcp_http import LOOPBACK, MIN_TOKEN_CHARS, serve_http
     from stockade.server.mcp_session import MODEL_NAME, McpAgent
+    from stockade.server.mcp_stdio import serve_stdio
 
     checked(idle_timeout, "--idle-timeout")
     checked(approval_wait, "--approval-wait", zero=True)

@@ -153,7 +153,7 @@ def test_a_pipe_is_cut_into_lines_as_readline_cut_it() -> None:
 
     import anyio
 
-    from stockade.server.mcp_face import _BoundedLines
+    from stockade.server.mcp_stdio import _BoundedLines
 
     sent = b"a\n" + b"b" * 9 + b"\n" + b"\n" + b"c" * 11 + b"\n"  # limit 10: the last is too long
     read_end, write_end = os.pipe()

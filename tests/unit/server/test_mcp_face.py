@@ -32,7 +32,8 @@ from stockade.policy import Policy
 from stockade.policy.approval import WITHDRAWN, ApprovalRequest, Choice
 from stockade.policy.schema import CommandRules, Decisions, ModelRegistry, PathRules, Role, TrustRules
 from stockade.sandbox.ops import RunCommand
-from stockade.server.mcp_face import McpFace, _answering, http_app
+from stockade.server.mcp_face import McpFace, _answering
+from stockade.server.mcp_http import http_app
 from stockade.server.mcp_session import MODEL_NAME, McpAgent, McpSession
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.types import CommandResult, Trust
