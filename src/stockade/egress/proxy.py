@@ -45,7 +45,6 @@ connections kept to servers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import socket
 import ssl
@@ -71,9 +70,6 @@ MAX_CONNECTIONS = 128  # at once, per sandbox
 ACCEPT_BURST = 64
 ACCEPTS_PER_S = 256
 ACCEPTS_PER_TURN = 8  # accepted at most per wake-up of the loop, before the other sandboxes run
-BUSY = (
-    b"HTTP/1.1 503 stockade: too many connections at once\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-)
 
 
 class Accepts:
@@ -115,10 +111,11 @@ class EgressProxy:
     """One sandbox's proxy over its ``NetworkPolicy``. ``start`` it on a Unix socket (or
     ``start_tcp``, for tests and benchmarks) in the loop of ``stockade.egress._loop``;
     ``close`` cuts every connection at once and drops the credentials. At most
-    ``max_connections`` at once, holding at most ``max_buffered`` bytes between them
-    (received and not yet passed on: past it, the sandbox's connections stop reading), and
-    at most ``accept_burst`` accepted at once, then ``ACCEPTS_PER_S`` a second (or the
-    policy's requests per second if more: ``Accepts``).
+    ``max_connections`` at once (past them, the listener is not read until one ends: the
+    sandbox's next connects wait in its socket's backlog), holding at most ``max_buffered``
+    bytes between them (received and not yet passed on: past it, the sandbox's connections
+    stop reading), and at most ``accept_burst`` accepted at once, then ``ACCEPTS_PER_S`` a
+    second (or the policy's requests per second if more: ``Accepts``).
     The credentials' values are read from their sources here (``read_secrets``; it may
     block) unless the caller read them (``secrets``: ``attach`` does, within a deadline);
     ``renew`` reads them again within ``secrets_timeout_s``."""
@@ -155,7 +152,9 @@ class EgressProxy:
         self.tunnels = Tunnels(self.gate, self.exchange, SandboxCA(intercepted) if intercepted else None)
         self._listener: socket.socket | None = None
         self._connections: set[asyncio.Task[None]] = set()  # every accepted connection's task
-        self._tasks: set[asyncio.Task[None]] = set()  # those being served (the limit counts them)
+        self._resting = False  # past the accept budget: the listener waits for its timer
+        self._full = False  # ``max_connections`` accepted: the listener waits for one to end
+        self._tasks: set[asyncio.Task[None]] = set()  # those being served (``close`` cuts them)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it listens on
         self._generation = 0  # one per user of the sandbox (``renew``): older connections are cut
@@ -254,9 +253,17 @@ class EgressProxy:
 
         A few at a time (``ACCEPTS_PER_TURN``: the listener is level-triggered, what is left
         wakes the loop again after the other sandboxes' work), within the sandbox's budget
-        (``Accepts``): once it is spent the listener rests until a few are allowed again."""
+        (``Accepts``): once it is spent the listener rests until a few are allowed again.
+        With ``max_connections`` accepted it is not read until one of them ends: the next
+        connects wait in the backlog, as at the relay inside, and the sandbox holds at most
+        that many of the host's descriptors. (Before, each was accepted and answered 503:
+        of 200 connections at once, 69 failed.)"""
         loop = asyncio.get_running_loop()
         for _ in range(ACCEPTS_PER_TURN):
+            if len(self._connections) >= self.max_connections:
+                self._full = True
+                loop.remove_reader(sock.fileno())
+                return
             if not self.accepts.ready():
                 self._rest(sock, self.accepts.wait_s(ACCEPTS_PER_TURN))
                 return
@@ -270,16 +277,29 @@ class EgressProxy:
             self.accepts.spend()
             task = loop.create_task(self._connection(conn, self._generation))
             self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            task.add_done_callback(self._ended)
 
     def _rest(self, sock: socket.socket, delay_s: float) -> None:
         """Leave what waits in the backlog for ``delay_s``: only this sandbox's connects wait."""
         loop = asyncio.get_running_loop()
         loop.remove_reader(sock.fileno())
-        loop.call_later(delay_s, self._listen_again, sock)
+        self._resting = True
+        loop.call_later(delay_s, self._rested, sock)
+
+    def _rested(self, sock: socket.socket) -> None:
+        self._resting = False
+        self._listen_again(sock)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._connections.discard(task)
+        if self._full and len(self._connections) < self.max_connections:
+            self._full = False
+            if self._listener is not None:
+                self._listen_again(self._listener)
 
     def _listen_again(self, sock: socket.socket) -> None:
-        if not self._closed:
+        """Read the listener again, unless the budget's timer or a full proxy still holds it."""
+        if not (self._closed or self._resting or self._full) and sock.fileno() >= 0:
             asyncio.get_running_loop().add_reader(sock.fileno(), self._accept_ready, sock)
 
     async def _connection(self, conn: socket.socket, generation: int) -> None:
@@ -356,9 +376,7 @@ class EgressProxy:
         if generation != self._generation:  # the last user's, accepted before ``renew``
             client.close()
             return
-        if self._closed or len(self._tasks) >= self.max_connections:
-            with contextlib.suppress(OSError):
-                await client.send(BUSY)
+        if self._closed:
             client.close()
             return
         self._tasks.add(task)

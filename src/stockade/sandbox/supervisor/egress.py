@@ -107,55 +107,71 @@ def _quiet(sock):
     return False  # closed (nothing but EOF) or answered
 
 
-def _pause(sel, listener):
-    """Stop accepting: what code connects meanwhile waits in the listener's backlog."""
-    try:
-        sel.unregister(listener.fileno())
-    except KeyError:
-        pass
-
-
-def _resume(sel, listener, relay):
-    """Accept again (the listener is level-triggered: what waited wakes the loop at once)."""
-    if listener.fileno() >= 0:
-        sel.register(listener.fileno(), IN, ("egress", relay))
-
-
-def _listen(sel, config, relay):
-    """The relay's socket on the sandbox's loopback (where HTTP_PROXY points)."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", int(config.get("listen", 3128))))
-    listener.listen(128)
-    listener.setblocking(False)
-    sel.register(listener.fileno(), IN, ("egress", relay))
-    return listener
-
-
-def _unlisten(sel, listener):
-    """Close the relay's socket, and with it the connections code made that it had not
-    accepted yet (the backlog): none of them is carried to the next user."""
-    try:
-        sel.unregister(listener.fileno())
-    except KeyError:
-        pass
-    listener.close()
-
-
-class Relay:
-    """Listens on the sandbox's loopback; each connection goes to the host's socket."""
+class _Listening:
+    """What both relays share: the socket on the sandbox's loopback (where HTTP_PROXY
+    points), out of the poller while the relay is full (``_full``: what code connects
+    meanwhile waits in the backlog) and back in once a connection ends."""
 
     def __init__(self, sel, config):
         self.sel = sel
         self.config = config
+        self.paused = False  # full: the listener out of the poller until a connection ends
+        self.spare = _Spare()
+        self.listener = self._listen()
+
+    def _full(self):
+        raise NotImplementedError
+
+    def _listen(self):
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", int(self.config.get("listen", 3128))))
+        listener.listen(128)
+        listener.setblocking(False)
+        self.sel.register(listener.fileno(), IN, ("egress", self))
+        return listener
+
+    def _pause(self):
+        """Stop accepting: what code connects meanwhile waits in the listener's backlog."""
+        if not self.paused:
+            self._unregister_listener()
+            self.paused = True
+
+    def _resume(self):
+        """Accept again once not full (level-triggered: what waited wakes the loop at once)."""
+        if self.paused and not self._full():
+            if self.listener.fileno() >= 0:
+                self.sel.register(self.listener.fileno(), IN, ("egress", self))
+            self.paused = False
+
+    def _relisten(self):
+        """Listen afresh (a reset in place): the connections code made that were not accepted
+        yet (the backlog) close with the old socket, none of them carried to the next user."""
+        self._unlisten()
+        self.listener = self._listen()
+        self.paused = False
+
+    def _unlisten(self):
+        self._unregister_listener()
+        self.listener.close()
+
+    def _unregister_listener(self):
+        try:
+            self.sel.unregister(self.listener.fileno())
+        except KeyError:
+            pass
+
+
+class Relay(_Listening):
+    """Listens on the sandbox's loopback; each connection goes to the host's socket."""
+
+    def __init__(self, sel, config):
+        super().__init__(sel, config)
         self.target = str(config["socket"])
         self.ends = {}
-        self.listener = _listen(sel, config, self)
         self.warm = max(0, int(config.get("warm", 0)))
         self.idle = {}  # fd -> (socket, when connected): warm connections not yet given out
         self.max_pairs = _max_pairs(int(config.get("pairs", MAX_PAIRS)))
-        self.paused = False  # full: the listener out of the poller until a pair ends
-        self.spare = _Spare()
         self._refill()
 
     def on_event(self, fd, events):
@@ -181,7 +197,7 @@ class Relay:
     def _accept(self):
         # One per wake-up: the listener is level-triggered, so another connection waiting
         # wakes the loop again, and the usual one spares the accept that finds nothing.
-        if len(self.ends) >= 2 * self.max_pairs:
+        if self._full():
             self._pause()
             return
         try:
@@ -209,15 +225,8 @@ class Relay:
             end.events = IN
             self.sel.register(end.sock.fileno(), IN, ("egress", self))
 
-    def _pause(self):
-        if not self.paused:
-            _pause(self.sel, self.listener)
-            self.paused = True
-
-    def _resume(self):
-        if self.paused and len(self.ends) < 2 * self.max_pairs:
-            _resume(self.sel, self.listener, self)
-            self.paused = False
+    def _full(self):
+        return len(self.ends) >= 2 * self.max_pairs
 
     def _connect(self):
         try:  # out of descriptors too: that connection is refused, the supervisor goes on
@@ -339,9 +348,7 @@ class Relay:
         stay: the proxy accepted them, and nothing was said on them."""
         for end in list(self.ends.values()):
             self._drop(end)
-        _unlisten(self.sel, self.listener)
-        self.listener = _listen(self.sel, self.config, self)
-        self.paused = False
+        self._relisten()
 
     def close(self):
         self.warm = 0  # nothing refilled on the way out
@@ -349,7 +356,7 @@ class Relay:
             self._drop(end)
         for fd in list(self.idle):
             self._forget(fd)
-        _unlisten(self.sel, self.listener)
+        self._unlisten()
         self.spare.close()
 
 
@@ -385,11 +392,11 @@ class _Stream:
         self.events = 0
 
 
-class MuxRelay:
+class MuxRelay(_Listening):
     """Listens on the sandbox's loopback; every connection is a stream over one port."""
 
     def __init__(self, sel, config):
-        self.sel = sel
+        super().__init__(sel, config)
         self.port = int(config["fd"])
         os.set_blocking(self.port, False)
         self.port_out = bytearray()
@@ -400,11 +407,7 @@ class MuxRelay:
         self.streams = {}  # sid -> _Stream
         self.by_fd = {}
         self.next_sid = 1
-        self.config = config
         self.max_streams = min(MUX_STREAMS, 2 * _max_pairs(MUX_STREAMS))  # a stream is one
-        self.paused = False  # full: the listener out of the poller until a stream ends
-        self.spare = _Spare()
-        self.listener = _listen(sel, config, self)
         sel.register(self.port, IN, ("egress", self))
         self._send(frame(HELLO, 0))
 
@@ -415,9 +418,7 @@ class MuxRelay:
         the port's byte stream itself goes on where it was."""
         for stream in list(self.streams.values()):
             self._drop(stream, tell=False)
-        _unlisten(self.sel, self.listener)
-        self.listener = _listen(self.sel, self.config, self)
-        self.paused = False
+        self._relisten()
         self._send(frame(HELLO, 0))
 
     # -- events ----------------------------------------------------------------------------
@@ -444,7 +445,7 @@ class MuxRelay:
 
     def _accept(self):
         while True:
-            if len(self.streams) >= self.max_streams:  # the rest wait in the backlog
+            if self._full():  # the rest wait in the backlog
                 self._pause()
                 return
             try:
@@ -467,15 +468,8 @@ class MuxRelay:
             self.sel.register(client.fileno(), IN, ("egress", self))
             self._send(frame(OPEN, sid))
 
-    def _pause(self):
-        if not self.paused:
-            _pause(self.sel, self.listener)
-            self.paused = True
-
-    def _resume(self):
-        if self.paused and len(self.streams) < self.max_streams:
-            _resume(self.sel, self.listener, self)
-            self.paused = False
+    def _full(self):
+        return len(self.streams) >= self.max_streams
 
     def _read(self, stream):
         if stream.eof_in or stream.credit <= 0 or len(self.port_out) >= PORT_HIGH:
@@ -615,7 +609,7 @@ class MuxRelay:
     def close(self):
         for stream in list(self.streams.values()):
             self._drop(stream, tell=False)
-        _unlisten(self.sel, self.listener)
+        self._unlisten()
         self.spare.close()
         try:
             self.sel.unregister(self.port)

@@ -47,27 +47,28 @@ USER_NICE = 19
 # The code's RLIMIT_NOFILE where the supervisor keeps more descriptors than the code may
 # hold (its egress relay's connections: supervisor.configure); 0 where they are the same.
 # Every process of the code's is started with it, soft and hard (``code_files_word``).
-_code_files = [0]
+_code_files = 0
 
 
 def set_code_files(files: int) -> None:
-    _code_files[0] = files
+    global _code_files
+    _code_files = files
 
 
 def code_files() -> int:
-    return _code_files[0]
+    return _code_files
 
 
 def code_files_word() -> str:
     """The compiled shim's FILES argument: the code's descriptor limit, or "-" (ours)."""
-    return str(_code_files[0]) if _code_files[0] > 0 else "-"
+    return str(_code_files) if _code_files > 0 else "-"
 
 
 def limit_files() -> None:
     """In a forked child, its descriptors moved low and the rest closed: the code's limit,
     which the child (and all it starts) cannot raise again."""
-    if _code_files[0] > 0:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (_code_files[0], _code_files[0]))
+    if _code_files > 0:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_code_files, _code_files))
 
 
 _libc_funcs: "dict[str, Any]" = {}
