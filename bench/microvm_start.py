@@ -36,7 +36,7 @@ from stockade.sandbox import _guest, _rules, microvm
 from stockade.sandbox._microvm_instance import VMBoundary
 from stockade.sandbox._microvm_launch import Launch
 from stockade.sandbox._microvm_settings import START_TIMEOUT_S
-from stockade.sandbox._supervised import sandbox_id, supervisor_config
+from stockade.sandbox._supervised_config import sandbox_id, supervisor_config
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import RunCode
 

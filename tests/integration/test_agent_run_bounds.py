@@ -14,7 +14,7 @@ from stockade.agent import Agent, Observer, RunLimits, RunStatus
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.runs import RunRecorder, RunStore, open_run_store
-from stockade.sandbox._supervised import GRACE_S
+from stockade.sandbox._supervised_calls import GRACE_S
 from stockade.testing import ScriptedModel, tool_call
 from tests.conftest import require_tier
 

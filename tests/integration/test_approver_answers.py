@@ -21,7 +21,7 @@ import pytest
 
 from stockade import AsyncSandbox, InvalidArgument, Limits, Sandbox, SnapshotStore
 from stockade.policy.approval import Choice
-from stockade.sandbox._supervised import GRACE_S
+from stockade.sandbox._supervised_calls import GRACE_S
 from stockade.types import ExecRecord, SandboxRules
 from tests.conftest import require_tier
 from tests.integration.conftest import TIERS

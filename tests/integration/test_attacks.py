@@ -35,7 +35,8 @@ from stockade.exceptions import SeedTooLarge, TreeTooDeep
 from stockade.runs.workspace import WorkspaceTracker
 from stockade.sandbox._channel import LIVENESS_S
 from stockade.sandbox._microvm_instance import VMInstance
-from stockade.sandbox._supervised import GRACE_S, SupervisedInstance
+from stockade.sandbox._supervised import SupervisedInstance
+from stockade.sandbox._supervised_calls import GRACE_S
 from stockade.sandbox.supervisor.protocol import MAX_CODE_REPORT
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
 from stockade.types import EntryType, Listing, SkippedEntry

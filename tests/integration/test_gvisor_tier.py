@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stockade import Limits, Sandbox
-from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox._supervised_config import WORKSPACE
 from stockade.sandbox.base import Backend
 from stockade.sandbox.gvisor import GVisorBackend, RunscBackend
 from stockade.types import SandboxRules

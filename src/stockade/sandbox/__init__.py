@@ -1,6 +1,6 @@
 """Isolation tiers behind one interface: ``Sandbox``/``AsyncSandbox`` over a ``Backend``."""
 
-from stockade.sandbox._supervised import TIMEOUT_MARGIN_S
+from stockade.sandbox._supervised_calls import TIMEOUT_MARGIN_S
 from stockade.sandbox.base import (
     AsyncBackend,
     AsyncInstance,

@@ -13,7 +13,8 @@ import os
 from stockade import exceptions as exc
 from stockade.sandbox import _filetable, _guest, _netfull
 from stockade.sandbox._docker_settings import DockerSettings
-from stockade.sandbox._supervised import RELAY_FILES, TIMEOUT_MARGIN_S, UNPRIORITIZED_TIMEOUT_MARGIN_S
+from stockade.sandbox._supervised_calls import TIMEOUT_MARGIN_S, UNPRIORITIZED_TIMEOUT_MARGIN_S
+from stockade.sandbox._supervised_config import RELAY_FILES
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism
 

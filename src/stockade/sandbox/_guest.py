@@ -27,7 +27,8 @@ from stockade import exceptions as exc
 from stockade.sandbox import _builds, _host, _rules, _rules_binds, _rules_copies, _trusted
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
-from stockade.sandbox._supervised import WORKSPACE, Boundary, supervisor_files
+from stockade.sandbox._supervised import Boundary
+from stockade.sandbox._supervised_config import WORKSPACE, supervisor_files
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.supervisor import sources as supervisor_sources
 from stockade.types import Limits

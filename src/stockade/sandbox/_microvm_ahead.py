@@ -21,7 +21,7 @@ from pathlib import Path
 
 from stockade.sandbox._microvm_instance import SocketStream, VMBoundary
 from stockade.sandbox._slot import Slot
-from stockade.sandbox._supervised import sandbox_id
+from stockade.sandbox._supervised_config import sandbox_id
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.spare import in_background, on_background_thread
 

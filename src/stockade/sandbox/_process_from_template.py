@@ -21,7 +21,7 @@ from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _template
 from stockade.sandbox._process_boundary import children, cleanup_init, end_placeholder
 from stockade.sandbox._process_bwrap import START_TIMEOUT_S, memfd, read_head
-from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox._supervised_config import WORKSPACE
 
 __all__ = ["from_template"]
 

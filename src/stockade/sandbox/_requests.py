@@ -28,7 +28,7 @@ from stockade._checks import (
     check_timeout,
 )
 from stockade.sandbox._archive_members import MAX_DEPTH as ARCHIVE_DEPTH
-from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox._supervised_config import WORKSPACE
 from stockade.sandbox._transfers import TRANSFER_CHUNK
 from stockade.sandbox.base import OutputSink
 from stockade.sandbox.ops import (

@@ -51,13 +51,8 @@ from stockade.sandbox._docker_supervisor import SupervisorFiles
 from stockade.sandbox._gvisor_memory import ContainerMemory
 from stockade.sandbox._host import NO_TIME_WAIT, NO_TIMESTAMPED_DATA
 from stockade.sandbox._hostinfo import engine_masked_paths
-from stockade.sandbox._supervised import (
-    WORKSPACE,
-    SupervisedInstance,
-    sandbox_id,
-    supervisor_config,
-    supervisor_files,
-)
+from stockade.sandbox._supervised import SupervisedInstance
+from stockade.sandbox._supervised_config import WORKSPACE, sandbox_id, supervisor_config, supervisor_files
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Mechanism, TierReport
 

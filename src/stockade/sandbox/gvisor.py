@@ -40,15 +40,9 @@ from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
-from stockade.sandbox._supervised import (
-    UNPRIORITIZED_TIMEOUT_MARGIN_S,
-    WORKSPACE,
-    Boundary,
-    SupervisedInstance,
-    enforcement_from_state,
-    sandbox_id,
-    supervisor_config,
-)
+from stockade.sandbox._supervised import Boundary, SupervisedInstance, enforcement_from_state
+from stockade.sandbox._supervised_calls import UNPRIORITIZED_TIMEOUT_MARGIN_S
+from stockade.sandbox._supervised_config import WORKSPACE, sandbox_id, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.sandbox.supervisor.protocol import HMAC_SHA256

@@ -40,7 +40,8 @@ from stockade.sandbox._microvm_ready import ReadyBuild, ReadyImage, image_config
 from stockade.sandbox._microvm_rundirs import collect_garbage
 from stockade.sandbox._microvm_settings import START_TIMEOUT_S
 from stockade.sandbox._microvm_snapshots import MicroVMSnapshots
-from stockade.sandbox._supervised import SupervisedInstance, sandbox_id, supervisor_config
+from stockade.sandbox._supervised import SupervisedInstance
+from stockade.sandbox._supervised_config import sandbox_id, supervisor_config
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.spare import on_background_thread
 from stockade.types import Enforcement, SnapshotKind, TierReport

@@ -70,12 +70,8 @@ from stockade.sandbox._process_bwrap import (
 )
 from stockade.sandbox._process_from_template import from_template
 from stockade.sandbox._process_rundirs import claim_rundir, collect_garbage, default_state_dir
-from stockade.sandbox._supervised import (
-    RELAY_FILES,
-    SupervisedInstance,
-    sandbox_id,
-    supervisor_config,
-)
+from stockade.sandbox._supervised import SupervisedInstance
+from stockade.sandbox._supervised_config import RELAY_FILES, sandbox_id, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.supervisor import sources as supervisor_sources
 from stockade.types import Enforcement, HostShare, Mechanism, NetworkPolicy, TierReport

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from stockade.exceptions import LimitNotEnforceable, SandboxFileNotFound, ToolError, WorkspaceError
 from stockade.sandbox._rules import write_targets
-from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox._supervised_config import WORKSPACE
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Risk, ToolContext, Toolset, tool
 from stockade.tools.deadline import checkpoint

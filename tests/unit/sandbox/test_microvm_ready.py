@@ -8,7 +8,7 @@ from typing import Any
 
 from stockade.sandbox import _rules
 from stockade.sandbox._microvm_ready import LATE, ReadyImages, image_config, resume_args
-from stockade.sandbox._supervised import supervisor_config
+from stockade.sandbox._supervised_config import supervisor_config
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Enforcement, Limits, Mechanism, SandboxRules
 
