@@ -13,7 +13,8 @@ import pytest
 from stockade import Sandbox
 from stockade.agent import Agent
 from stockade.testing import ScriptedModel, tool_call
-from stockade.tools import ToolContext, git_diff
+from stockade.tools import ToolContext, Toolset, git_diff, read_file
+from stockade.tools.builtin import GIT_HEAD_DIFF
 from stockade.tools.workspace_diff import record_baseline
 from stockade.types import SandboxRules
 from tests.conftest import require, require_tier
@@ -148,6 +149,87 @@ async def test_git_diff_in_a_repository_code_may_write_is_against_the_runs_start
         assert not sbx.files.exists("ran")
     assert out.startswith("(changes since the run began; not a git repository)\n")
     assert "-x = 1\n+x = 2\n" in out
+
+
+# A program in the uploaded repository's .git: it marks that it ran, and passes its input on.
+MARK = "#!/bin/sh\ntouch src/ran\nexec cat\n"
+# What a caller's .git may say to have git run it, each with what assigns it to every file.
+PLANTED = {
+    "clean filter": ('[filter "x"]\n\tclean = .git/mark.sh\n', "* filter=x\n"),
+    "process filter": ('[filter "x"]\n\tprocess = .git/mark.sh\n', "* filter=x\n"),
+    "fsmonitor": ("[core]\n\tfsmonitor = .git/mark.sh\n", ""),
+    # the filter in a workspace file the repository's config includes
+    "include.path": ("[include]\n\tpath = ../filters.cfg\n", "* filter=x\n"),
+}
+
+
+def _uploaded(tmp_path: Path, config: str, attributes: str) -> Path:
+    """A repository as a caller uploads it: committed, a tracked file changed since, and its
+    .git naming a program (``config``) that ``attributes`` (.git/info/attributes) assigns."""
+    repo = _committed(
+        tmp_path,
+        {
+            "README": "read me\n",
+            "src/app.py": "x = 1\n",
+            "filters.cfg": '[filter "x"]\n\tclean = .git/mark.sh\n',
+        },
+    )
+    (repo / "README").write_text("read me\nchanged before the run\n")  # git hashes it: a filter runs
+    (repo / ".git" / "mark.sh").write_text(MARK)
+    (repo / ".git" / "mark.sh").chmod(0o755)
+    with (repo / ".git" / "config").open("a") as config_file:
+        config_file.write(config)
+    (repo / ".git" / "info").mkdir(exist_ok=True)
+    (repo / ".git" / "info" / "attributes").write_text(attributes)
+    return repo
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED))
+async def test_git_diff_runs_no_program_the_repositorys_git_names(tmp_path: Path, planted: str) -> None:
+    """git_diff (low risk: a read) runs no program but git, whatever the repository's .git
+    says. Over the service the .git is the caller's upload: a clean filter its .git/config
+    named and .git/info/attributes assigned ran in each git_diff, for a role that runs no
+    code, rewriting a file that role could only read. git reads no config of the .git at all,
+    so a filter, a process filter, an fsmonitor hook, or config included from elsewhere, all
+    alike, name nothing that runs; the diff is still git's, against HEAD."""
+    repo = _uploaded(tmp_path, *PLANTED[planted])
+    with Sandbox.create(tier="process", workspace=repo, rules=SRC_ONLY) as sbx:
+        baseline = record_baseline(sbx)
+        sbx.files.write("src/app.py", "x = 2\n")
+        out = await _git_diff(sbx, baseline)
+        ran = sbx.files.exists("src/ran")
+    assert not ran, f"the {planted} the repository named ran in git_diff"
+    assert out.startswith("(git diff HEAD; untracked files shown as new)\n"), out
+    assert " read me\n+changed before the run\n" in out and "-x = 1\n+x = 2\n" in out
+
+
+def test_git_diffs_command_execs_git_and_what_sets_up_its_git_dir_alone(tmp_path: Path) -> None:
+    """What the sandbox's exec judge saw of git_diff's command (a deny list makes it judge
+    every exec): its shell, the few tools that make git's own GIT_DIR, git and xargs; the
+    filter the uploaded .git named is not among them."""
+    repo = _uploaded(tmp_path, *PLANTED["clean filter"])
+    judged = SandboxRules(write=("src/**",), deny=("id",))
+    with Sandbox.create(tier="process", workspace=repo, rules=judged) as sbx:
+        result = sbx.commands.run(GIT_HEAD_DIFF)
+    assert result.exit_code == 0, result.stderr
+    programs = [Path(e.argv[0]).name for e in result.execs]
+    assert programs.count("sh") == 1 and "git" in programs, programs
+    assert set(programs) <= {"sh", "mktemp", "cp", "mkdir", "git", "xargs", "rm"}, programs
+
+
+def test_a_reader_agents_git_diff_runs_no_filter_of_an_uploaded_repository(tmp_path: Path) -> None:
+    """The finding as a run: an agent that may only read (read_file, git_diff) calls git_diff
+    in a workspace whose .git names a clean filter; the run ends with the filter not run and
+    the diff against HEAD shown."""
+    repo = _uploaded(tmp_path, *PLANTED["clean filter"])
+    model = ScriptedModel([tool_call("git_diff"), "done"])
+    with Sandbox.create(tier="process", workspace=repo, rules=SRC_ONLY) as sbx:
+        result = Agent(model, tools=Toolset([read_file, git_diff])).run_sync("review", sandbox=sbx)
+        ran = sbx.files.exists("src/ran")
+    shown = result.steps[0].tool_calls[0]
+    assert not ran, "the clean filter the repository named ran in git_diff"
+    assert not shown.is_error and shown.observation.startswith("(git diff HEAD;"), shown.observation
+    assert "+changed before the run" in shown.observation
 
 
 async def test_links_and_fifos_code_made_are_named_as_left_out(tmp_path: Path) -> None:
