@@ -317,3 +317,68 @@ def test_under_an_allowlist_a_library_the_code_wrote_never_runs(
             r = sbx.commands.run(f"LD_PRELOAD={place}/x.so ls /workspace; echo exit $?")
             assert "RAN-A-WRITTEN-LIBRARY" not in r.stdout, (place, r)
             assert r.stdout.splitlines()[-1] == "exit 139", (place, r)  # SIGSEGV
+
+
+# A memfd is on no mount, so no noexec holds a program the code wrote into one. The probe
+# writes a listed program into a memfd and runs it by the descriptor (fexecve: execveat) and
+# by its /proc name, printing how each ended ("ran", "exit N", "signal N"), or the errno that
+# refused the memfd; and whether memfd_secret made one.
+RUN_FROM_A_MEMFD = r"""
+import ctypes, errno, os
+def run(route, exec_):
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what the program would list
+        try:
+            exec_()
+        finally:
+            os._exit(126)
+    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(route, "ran" if rc == 0 else f"signal {-rc}" if rc < 0 else f"exit {rc}")
+try:
+    fd = os.memfd_create("program", 0)
+except OSError as err:
+    print("memfd_create", errno.errorcode[err.errno])
+else:
+    os.write(fd, open("/usr/bin/ls", "rb").read())
+    run("fexecve", lambda: os.execve(fd, ["ls", "/"], {}))
+    run("proc", lambda: os.execv(f"/proc/self/fd/{fd}", ["ls", "/"]))
+made = ctypes.CDLL(None, use_errno=True).syscall(447, 0)  # memfd_secret
+print("memfd_secret", "made" if made >= 0 else errno.errorcode[ctypes.get_errno()])
+"""
+MEMFDS_REFUSED = {"memfd_create": "EPERM", "memfd_secret": "EPERM"}
+
+
+def _memfd_routes(sbx: Sandbox) -> dict[str, dict[str, str]]:
+    """How the probe ended, run as a command and by the interpreter."""
+    command = sbx.commands.run(["python3", "-c", RUN_FROM_A_MEMFD])
+    assert command.exit_code == 0, command
+    code = sbx.run_code(RUN_FROM_A_MEMFD)
+    assert code.error is None, code
+    return {
+        route: dict(line.split(" ", 1) for line in out.splitlines())
+        for route, out in (("command", command.stdout), ("run_code", code.logs.stdout))
+    }
+
+
+@pytest.mark.parametrize("mode", ["docker", "runsc"])
+def test_under_an_allowlist_no_program_the_code_wrote_into_a_memfd_runs(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
+    """gVisor's kernel has no exec listener to refuse memfds (as the other tiers' does): the
+    supervisor's own filter fails memfd_create and memfd_secret (EPERM) for every process of
+    the sandbox, commands and the interpreter alike, and a reset's fresh supervisor (its
+    zygote gone) keeps it. Without an allowlist memfds are made, and what is in them runs."""
+    require_tier("gvisor")
+    backend = _gvisor(mode, request)
+    with Sandbox.create(backend=backend, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
+        assert any("memfd_create refused" in said for said in sbx.enforcement.weakened), sbx.enforcement
+        assert _memfd_routes(sbx) == {"command": MEMFDS_REFUSED, "run_code": MEMFDS_REFUSED}
+        zygote = sbx.run_code("import os, signal\nos.getppid()").text
+        sbx.run_code("os.kill(os.getppid(), signal.SIGKILL)")
+        sbx.reset()
+        assert sbx.run_code("import os\nos.getppid()").text != zygote  # a fresh supervisor's
+        assert _memfd_routes(sbx) == {"command": MEMFDS_REFUSED, "run_code": MEMFDS_REFUSED}
+    with Sandbox.create(backend=backend, limits=LIMITS) as sbx:
+        ran = {"fexecve": "ran", "proc": "ran", "memfd_secret": "ENOSYS"}
+        assert _memfd_routes(sbx) == {"command": ran, "run_code": ran}

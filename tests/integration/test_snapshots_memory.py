@@ -339,7 +339,8 @@ def test_a_gvisor_sandbox_run_by_runsc_keeps_its_memory_under_a_commands_allowli
 ) -> None:
     """Run by stockade's own runsc, a restore makes the same masked copies again (the masks
     are part of the machine key): memory is kept, and the restored sandbox is as confined,
-    its written places noexec (a snapshot of before they were is refused: SNAPSHOT_VERSION)."""
+    its written places noexec and memfds refused (a snapshot of before they were is refused:
+    SNAPSHOT_VERSION)."""
     require_tier("gvisor")
     report = RunscBackend().probe()
     require("gVisor run by stockade's own runsc", report.available, report.detail)
@@ -357,3 +358,8 @@ def test_a_gvisor_sandbox_run_by_runsc_keeps_its_memory_under_a_commands_allowli
             'python3 -c \'import shutil; shutil.copy("/usr/bin/ls", "/tmp/ls")\'; /tmp/ls'
         )
         assert copy.exit_code == 126 and "Permission denied" in copy.stderr, copy
+        # and so its processes' seccomp filters: no memfd, where no noexec would hold
+        memfd = fork.commands.run(["python3", "-c", "import os; os.memfd_create('program')"])
+        assert memfd.exit_code == 1 and "Operation not permitted" in memfd.stderr, memfd
+        denied = fork.run_code("import os\nos.memfd_create('program')")
+        assert denied.error is not None and denied.error.name == "PermissionError", denied

@@ -55,7 +55,9 @@ AREAS = ("workspace", "tmp", "shm")  # the host tmpfs bound at /workspace, /tmp,
 # 2: /dev/shm a host tmpfs too (an area), no longer gVisor's. 3: under a commands allowlist
 # the written places noexec in gVisor's view; a checkpoint keeps its mounts' flags whatever
 # config.json says at restore, so an older one under an allowlist would run written files.
-SNAPSHOT_VERSION = "3"
+# 4: under an allowlist the supervisor's filter refuses memfds; a checkpoint keeps its
+# processes' filters, and an older one's have none (a program written to a memfd ran).
+SNAPSHOT_VERSION = "4"
 RUNSC_TIMEOUT_S = 300.0
 IMAGE_ROLE = "memory"  # the role of checkpoint.img; any other file of the image: memory-<name>
 MAIN_IMAGE = "checkpoint.img"

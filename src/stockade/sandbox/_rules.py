@@ -237,7 +237,7 @@ def _plan(
                 fix="use the process, docker or microvm tier, or pass allow_weaker=True "
                 "(then the policy judges tool calls only, and masks denied programs)",
             )
-        held = "; the image's unlisted programs are masked" if rules.allow and masks else ""
+        held = _held_unconfined(rules, masks)
         weakened.append(f"{what}: not held by this tier's kernel{held}; judged on tool calls only")
         return RulesPlan(None, masks, enforcement, tuple(weakened))
     if not can_confine:  # masks hold every rule there is
@@ -266,6 +266,15 @@ def _plan(
     if rules.judges_execs:
         enforcement["commands"] = Mechanism.SECCOMP_NOTIFY
     return RulesPlan(config, masks, enforcement, tuple(weakened))
+
+
+def _held_unconfined(rules: SandboxRules, masks: tuple[str, ...]) -> str:
+    """What still holds of an allowlist where the kernel judges no exec (gVisor): the masks,
+    and no program the code wrote runs (``written_noexec``, the supervisor's ``no_memfd``)."""
+    if not rules.allow:
+        return ""
+    held = "; the image's unlisted programs are masked" if masks else ""
+    return held + "; no program the code wrote runs (its places noexec, memfd_create refused)"
 
 
 def check_ready(spec: SandboxSpec, plan_: RulesPlan, report: Any) -> tuple[str, ...]:

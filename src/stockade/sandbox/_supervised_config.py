@@ -31,7 +31,7 @@ __all__ = ["RELAY_FILES", "WORKSPACE", "sandbox_id", "supervisor_config", "super
 def supervisor_config(
     spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: EgressHandle | None = None,
     *, seal: bool = False, refuse_kernel: bool = False, host_network: bool = False,
-    refuse_filters: bool = False,
+    refuse_filters: bool = False, refuse_memfds: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``init`` frame every tier sends: the environment, caps and default timeout; with
     ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay.
@@ -44,7 +44,9 @@ def supervisor_config(
     at a reset. ``refuse_filters``: the code's kernel is the host's, where each seccomp filter
     is JIT code no cgroup charges, counted against the host's shared ``bpf_jit_limit``: once
     its own filters are in place, the supervisor lets no process add one
-    (``confine.refuse_filters``)."""
+    (``confine.refuse_filters``). ``refuse_memfds``: no exec listener refuses memfds where a
+    written program must not run (gVisor's kernel has none): the supervisor's own filter does
+    (``confine.deny_calls``)."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -83,6 +85,8 @@ def supervisor_config(
         config["own_network"] = False
     if refuse_filters:
         config["no_filters"] = True
+    if refuse_memfds:
+        config["no_memfd"] = True
     if refuse_kernel:
         config["kernel"] = {"datagrams": not spec.network.unrestricted}
     if spec.rules is not None and spec.rules.judges_paths:

@@ -371,6 +371,7 @@ class DockerBackend(DockerPlan, SupervisorFiles):
                 seal=self.own_kernel,
                 refuse_kernel=True,
                 refuse_filters=not self.own_kernel,
+                refuse_memfds=self.own_kernel and _rules.written_noexec(spec),
             )
 
         def log() -> str:

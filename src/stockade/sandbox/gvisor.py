@@ -423,7 +423,14 @@ class RunscBackend(Backend):
         def config() -> dict[str, Any]:
             rlimits = _guest.own_kernel_limits(spec, self.platform).rlimits
             # gVisor's /proc lets code open our pipes, whatever our dumpable flag: sealed
-            return supervisor_config(spec, rlimits, instance.egress, seal=True, refuse_kernel=True)
+            return supervisor_config(
+                spec,
+                rlimits,
+                instance.egress,
+                seal=True,
+                refuse_kernel=True,
+                refuse_memfds=_rules.written_noexec(spec),
+            )
 
         instance.start(config, START_TIMEOUT_S, rules, log=lambda: _head(instance.bundle / "runsc.log"))
         return instance

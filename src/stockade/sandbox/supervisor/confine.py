@@ -262,6 +262,7 @@ def deny_calls(
     datagrams: bool = False,
     locks: bool = False,
     guard_init: bool = False,
+    no_memfd: bool = False,
 ) -> None:
     """A filter on this process and all it starts: ``calls`` fail with ENOSYS (so do other
     architectures' and the x32 ABI's calls: nothing here uses them). What a reset cannot
@@ -285,7 +286,11 @@ def deny_calls(
     name pid 1, which fail with EPERM: where the supervisor is the sandbox's init and the
     kernel does not shield an init as Linux does (gVisor's does not: code stopped it with
     ``kill -STOP 1``, and ran on with no deadline enforced). A broadcast (``kill(-1)``)
-    skips init on every kernel, and no process of the code's is in init's group."""
+    skips init on every kernel, and no process of the code's is in init's group.
+    ``no_memfd``: memfd_create and memfd_secret fail with EPERM, as the exec listener's
+    ``no_memfd`` has them where there is none (gVisor): a memfd is on no mount, so no
+    ``noexec`` keeps a program the code wrote into one from running (``fexecve``,
+    ``/proc/self/fd``); under an allowlist none may (``_rules.written_noexec``)."""
     ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54  # (and: BPF_ALU | BPF_AND | BPF_K)
     lines: "List[Tuple[str, Tuple[int, Any, Any, int]]]" = []  # (label, (code, true, false, k))
 
@@ -296,6 +301,9 @@ def deny_calls(
     emit(jeq, AUDIT_ARCH_X86_64, 0, "enosys")
     emit(ld, 0)  # the call's number
     emit(jge, 0x40000000, "enosys", 0)
+    if no_memfd:  # before ``calls``: memfd_secret may be among them
+        emit(jeq, NR_MEMFD_CREATE, "no_memfd", 0)
+        emit(jeq, NR_MEMFD_SECRET, "no_memfd", 0)
     for nr in calls:
         emit(jeq, nr, "enosys", 0)
     if guard_init:
@@ -325,6 +333,8 @@ def deny_calls(
             emit(jeq, SOCK_DGRAM, "eafnosupport", "allow")
     emit(ret, SECCOMP_RET_ALLOW, label="allow")
     emit(ret, SECCOMP_RET_ERRNO | ENOSYS_, label="enosys")
+    if no_memfd:
+        emit(ret, SECCOMP_RET_ERRNO | EPERM_, label="no_memfd")
     emit(ret, SECCOMP_RET_ERRNO | EAFNOSUPPORT_, label="eafnosupport")
     if netlink:  # (BPF jumps only forward: this block ends in returns of its own)
         emit(ld, 24, label="setsockopt")  # args[1]: the level (an int: its low half)

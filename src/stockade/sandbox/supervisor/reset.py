@@ -244,8 +244,8 @@ def _as_first_seen(folder: str, mode: int) -> None:
 
 
 def _unnamed_file() -> int:
-    """A file with no name, to hand state over an exec (not a memfd: an allowlist forbids
-    those to everything, us included)."""
+    """A file with no name, to hand state over an exec: a memfd only where ``O_TMPFILE``
+    fails (an allowlist forbids memfds to everything, us included)."""
     # Closed at the exec (its copy at HANDOVER_FD is not, and is closed once read): left open
     # in the fresh supervisor, code could open it through gVisor's /proc and read it.
     for folder in ("/dev/shm", "/tmp"):
@@ -253,7 +253,19 @@ def _unnamed_file() -> int:
             return os.open(folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError:
             continue
-    return os.memfd_create("stockade-reset", os.MFD_CLOEXEC)
+    try:
+        return os.memfd_create("stockade-reset", os.MFD_CLOEXEC)
+    except PermissionError:  # gVisor (no O_TMPFILE on its binds) under an allowlist
+        return _named_then_unlinked("/dev/shm")
+
+
+def _named_then_unlinked(folder: str) -> int:
+    """A new file of a random name in ``folder``, its name gone at once. Made where no code
+    runs any more (the reset killed it all), so nothing can open it by that name meanwhile."""
+    path = os.path.join(folder, ".stockade-reset-" + os.urandom(16).hex())
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    os.unlink(path)
+    return fd
 
 
 def resume(sup: "Supervisor", reader: "FrameReader") -> None:

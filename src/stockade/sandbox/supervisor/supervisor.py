@@ -702,7 +702,10 @@ def main() -> None:
     sup.configure(header.get("config", {}))
     unlisted = unlisted_ipc()  # gVisor's: its kernel lists neither
     kernel = sup.config.get("kernel")  # a tier with no filter of its own: what to refuse
-    if unlisted or kernel:
+    # No exec listener refuses memfds here (gVisor), yet under an allowlist none may be made:
+    # after ours (configure made the shim's), the filter below refuses them to all.
+    no_memfd = bool(sup.config.get("no_memfd"))
+    if unlisted or kernel or no_memfd:
         import confine  # type: ignore[import-not-found]  # (only here: a start needs none of it)
 
         # before anything is forked; kept across a reset's exec (filters outlive an image).
@@ -712,7 +715,12 @@ def main() -> None:
         calls = unlisted + ((confine.NR_IO_SETUP, confine.NR_MEMFD_SECRET) if kernel else ())
         datagrams = bool(kernel and kernel.get("datagrams"))
         confine.deny_calls(
-            calls, netlink=bool(kernel), datagrams=datagrams, locks=bool(kernel), guard_init=os.getpid() == 1
+            calls,
+            netlink=bool(kernel),
+            datagrams=datagrams,
+            locks=bool(kernel),
+            guard_init=os.getpid() == 1,
+            no_memfd=no_memfd,
         )
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
