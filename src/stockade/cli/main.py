@@ -83,6 +83,7 @@ COMMAND_MODULES = (
     "stockade.cli.image_cmds",
     "stockade.cli.prepare_cmds",
     "stockade.cli.runs_cmds",
+    "stockade.cli.replay_cmds",
     "stockade.cli.snapshot_cmds",
     "stockade.cli.service_cmds",
     "stockade.cli.mcp_cmds",

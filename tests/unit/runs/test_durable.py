@@ -30,7 +30,7 @@ from stockade.agent import (
 )
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
-from stockade.cli.runs_cmds import load_tools
+from stockade.cli.replay_cmds import load_tools
 from stockade.exceptions import (
     ApprovalRequired,
     InvalidArgument,
