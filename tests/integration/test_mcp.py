@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
@@ -34,6 +37,7 @@ from stockade.audit.stores import open_store
 from stockade.audit.verify import verify
 from stockade.policy.approval import ApprovalStore
 from stockade.runs.store import RunSummary, open_run_store
+from stockade.server.mcp_stdio import MAX_HELD_REQUESTS
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import REPO, Process, free_port
 
@@ -251,12 +255,13 @@ class _Wire:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=_env(), cwd=str(project),
             )  # fmt: skip
         self.answers: dict[int, dict[str, Any]] = {}
+        self.questions: list[dict[str, Any]] = []  # the server's requests, as they came
 
-    def hello(self) -> None:
+    def hello(self, capabilities: dict[str, Any] | None = None) -> None:
         """The handshake of a 2025-11-25 client."""
         info = {
             "protocolVersion": "2025-11-25",
-            "capabilities": {},
+            "capabilities": capabilities or {},
             "clientInfo": {"name": "t", "version": "0"},
         }
         self.send({"id": 0, "method": "initialize", "params": info})
@@ -280,7 +285,51 @@ class _Wire:
             message = json.loads(line)
             if "id" in message and ("result" in message or "error" in message):
                 self.answers[message["id"]] = message
+            elif "id" in message and "method" in message:
+                self.questions.append(message)
         return self.answers.pop(rid)
+
+    def question(self) -> dict[str, Any]:
+        """The server's next request (the lines read until it comes, answers kept)."""
+        assert self.proc.stdout is not None
+        while not self.questions:
+            line = self.proc.stdout.readline()
+            assert line, "the server ended before asking"
+            message = json.loads(line)
+            if "id" in message and "method" in message:
+                self.questions.append(message)
+            elif "id" in message:
+                self.answers[message["id"]] = message
+        return self.questions.pop(0)
+
+    def unread(self, *, pipes: int = 4096) -> None:
+        """Be a client that does not read its answers: the pipes shrunk to ``pipes`` bytes, so
+        that what the server read of stdin shows in what stdin takes."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, pipes)
+
+    def send_unread(self, lines: list[bytes]) -> int:
+        """Send ``lines`` while the server reads them: how many it took whole before stdin stayed
+        full (``STALL_S`` without room); the rest of the line it took in part is sent once it
+        reads again (the client reading its answers)."""
+        assert self.proc.stdin is not None
+        fd = self.proc.stdin.fileno()
+        left = b""
+        os.set_blocking(fd, False)
+        try:
+            for taken, line in enumerate(lines):
+                left = line
+                while left:
+                    if not select.select([], [fd], [], STALL_S)[1]:
+                        return taken
+                    with contextlib.suppress(BlockingIOError):
+                        left = left[os.write(fd, left) :]
+            return len(lines)
+        finally:
+            os.set_blocking(fd, True)
+            if left:
+                threading.Thread(target=_write_all, args=(fd, left), daemon=True).start()
 
     def text(self, rid: int) -> tuple[bool, str]:
         result = self.answer(rid)["result"]
@@ -297,6 +346,11 @@ class _Wire:
                 self.proc.wait()
             assert self.proc.stdout is not None
             self.proc.stdout.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _run_id(wire: _Wire, rid: int) -> str:
@@ -380,6 +434,69 @@ def test_a_client_gone_mid_call_ends_the_stdio_session_in_one_line(project: Path
         wire.close()
     said = wire.stderr.read_text()
     assert "the client went away" in said and "Traceback" not in said, said
+
+
+# How long stdin without room means the server stopped reading it: on a slow host a pause that
+# long ends the sending early, so a server that stops nowhere still sends everything
+STALL_S = 3.0
+
+
+def _padded_lists(first: int, count: int, pad: int = 64 * 1024) -> list[bytes]:
+    """``tools/list`` requests ``first``.. of ``pad`` bytes each (the pipes' 4 KiB hold none)."""
+    return [
+        json.dumps(
+            {"jsonrpc": "2.0", "id": rid, "method": "tools/list", "params": {"_meta": {"pad": "x" * pad}}}
+        ).encode()
+        + b"\n"
+        for rid in range(first, first + count)
+    ]
+
+
+def test_a_stdio_client_that_reads_no_answers_is_read_no_further(project: Path) -> None:
+    """The server read every request it was sent, answered or not, each held by a task until
+    its answer was written: a client that never read its answers grew it without end (2.4 GB
+    after 787 requests of 3 MiB). Stdin waits now while 32 requests wait for their answers
+    (a few more are in the pipes and the reader); once the client reads, all are answered."""
+    wire = _Wire(project)
+    try:
+        wire.hello()
+        wire.unread()
+        sent = 400
+        taken = wire.send_unread(_padded_lists(1, sent))
+        assert taken <= MAX_HELD_REQUESTS + 8, taken  # the old server took all 400
+        for rid in range(1, taken + 2):  # the one taken in part too
+            assert "tools" in wire.answer(rid)["result"]
+        assert wire.send_unread(_padded_lists(taken + 2, 3)) == 3  # read again, as it is answered
+        for rid in range(taken + 2, taken + 5):
+            assert "tools" in wire.answer(rid)["result"]
+    finally:
+        wire.close()
+
+
+def test_over_stdio_a_clients_answer_to_its_approval_is_read_behind_its_requests(project: Path) -> None:
+    """While the server waits for the client's answer to its elicitation, stdin is read past
+    the bound: the answer may come behind more requests than the bound, which the client sent
+    before reading (held back there, the call would have waited out its approval, denied)."""
+    wire = _Wire(project, "--approval-wait", "120")
+    try:
+        wire.hello({"elicitation": {"form": {}}})
+        wire.unread()
+        wire.call(1, "run_code", {"code": "mkdir t && rm -r t && echo removed", "language": "bash"})
+        asked = wire.question()
+        assert asked["method"] == "elicitation/create" and "rm -r t" in asked["params"]["message"]
+        behind = MAX_HELD_REQUESTS + 8
+        assert wire.send_unread(_padded_lists(2, behind)) == behind
+        answer = {
+            "jsonrpc": "2.0",
+            "id": asked["id"],
+            "result": {"action": "accept", "content": {"approve": True}},
+        }
+        assert wire.send_unread([json.dumps(answer).encode() + b"\n"]) == 1
+        assert wire.text(1) == (False, "stdout:\nremoved\n")
+        for rid in range(2, 2 + behind):
+            assert "tools" in wire.answer(rid)["result"]
+    finally:
+        wire.close()
 
 
 MODERN = {

@@ -24,7 +24,7 @@ from stockade.server.mcp_face import GONE, MAX_MESSAGE_BYTES, SESSION_HEADER, Mc
 if TYPE_CHECKING:
     from stockade.server.connections import ConnectionLimits
 
-__all__ = ["LOOPBACK", "MAX_SESSIONS", "MIN_TOKEN_CHARS", "http_app", "serve_http"]
+__all__ = ["LOOPBACK", "MAX_BODIES_BYTES", "MAX_SESSIONS", "MIN_TOKEN_CHARS", "http_app", "serve_http"]
 
 # HTTP sessions open at once, each with its sandbox (``--max-sessions``)
 MAX_SESSIONS = 16
@@ -35,6 +35,9 @@ _LOOPBACK_ORIGIN = re.compile(r"http://" + _LOOPBACK_HOST.pattern)
 
 # A bearer token shorter than this is refused: it guards running code on this machine.
 MIN_TOKEN_CHARS = 16
+# The bytes of the request bodies held at once, every connection's together: a body of up to
+# 4 MiB on each of the 1,000 connections allowed held 4 GB
+MAX_BODIES_BYTES = 64 << 20
 
 
 def http_app(
@@ -81,6 +84,7 @@ def http_app(
         if loopback
         else None,
     )
+    posted = _bodies_within(inner, MAX_BODIES_BYTES)
     face.start_reaper()
     expected = None if token is None else f"bearer {token}".encode()
 
@@ -98,7 +102,7 @@ def http_app(
                 # the SDK counts only its own, and let a new session in beside it.
                 await _TOO_MANY(scope, receive, send)
                 return
-            await inner(scope, _watched(scope, receive), send)
+            await posted(scope, _watched(scope, receive), send)
             return
         if scope.get("method") != "DELETE":
             await inner(scope, receive, send)
@@ -118,6 +122,49 @@ def http_app(
             await anyio.to_thread.run_sync(face.end_session, key)
 
     return app
+
+
+def _bodies_within(app: ASGIApp, limit: int) -> ASGIApp:
+    """``app``, given a request once its body is read, the bodies of the requests in ``app``
+    together at most ``limit`` bytes (each is held until its request is answered): one past
+    that is answered 503, with ``Retry-After``, before more of it is read. A body longer than
+    a message may be is passed on once that is read, for ``app`` to refuse (413)."""
+    held = 0
+
+    async def bounded(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal held
+        taken = 0
+        read: list[Message] = []
+        try:
+            while True:
+                message = await receive()
+                read.append(message)
+                size = len(message.get("body", b""))
+                if held + size > limit:
+                    await _BUSY(scope, receive, send)
+                    return
+                held, taken = held + size, taken + size
+                if (
+                    message["type"] != "http.request"
+                    or not message.get("more_body")
+                    or taken > MAX_MESSAGE_BYTES
+                ):
+                    break
+            await app(scope, _replaying(read, receive), send)
+        finally:
+            held -= taken
+
+    return bounded
+
+
+def _replaying(read: list[Message], receive: Receive) -> Receive:
+    """``receive``, after the messages already ``read`` of it."""
+    left = list(read)
+
+    async def replaying() -> Message:
+        return left.pop(0) if left else await receive()
+
+    return replaying
 
 
 def _watched(scope: Scope, receive: Receive) -> Receive:
@@ -140,6 +187,15 @@ _TOO_MANY = JSONResponse(
         "error": {"code": types.INTERNAL_ERROR, "message": "Too many open sessions"},
     },
     status_code=503,
+)
+_BUSY = JSONResponse(
+    {
+        "jsonrpc": "2.0",
+        "id": None,
+        "error": {"code": types.INTERNAL_ERROR, "message": "Too many request bodies at once: retry shortly"},
+    },
+    status_code=503,
+    headers={"Retry-After": "1"},
 )
 _FOREIGN_PAGE = JSONResponse(
     {"error": "Forbidden", "detail": "a request from a web page whose origin is not allowed"}, status_code=403

@@ -22,7 +22,7 @@ import pytest
 from mcp import Client
 from mcp.client.session import ClientRequestContext
 from mcp.shared.exceptions import MCPError
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade.agent import RunLimits
 from stockade.assembly import AgentConfig
@@ -780,3 +780,52 @@ def test_over_http_a_session_the_sdk_let_go_holds_its_slot_until_its_run_ends(tm
     finally:
         release.set()
         server.close()
+
+
+async def test_over_http_the_bodies_held_at_once_are_bounded_and_one_more_is_told_to_retry() -> None:
+    """Each body was capped (4 MiB), not how many were held at once: on its 1,000 connections a
+    client had 4 GB held. One more than the server's budget is answered 503 with Retry-After,
+    before more of it is read; once a request is answered its bytes are free again."""
+    from stockade.server.mcp_http import _bodies_within
+
+    answered = anyio.Event()
+    bodies: list[bytes] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        body = b""
+        while (message := await receive())["more_body"]:
+            body += message["body"]
+        bodies.append(body + message["body"])
+        await answered.wait()  # held until answered
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app = _bodies_within(inner, limit=1000)
+
+    async def post(pieces: int) -> tuple[int, dict[bytes, bytes], int]:
+        """A body of ``pieces`` pieces of 200 bytes: its status, its headers, the pieces read."""
+        sent = [
+            {"type": "http.request", "body": b"x" * 200, "more_body": i < pieces - 1} for i in range(pieces)
+        ]
+        read = 0
+        said: list[Message] = []
+
+        async def receive() -> Message:
+            nonlocal read
+            read += 1
+            return sent[read - 1]
+
+        async def send(message: Message) -> None:
+            said.append(message)
+
+        await app({"type": "http", "method": "POST", "path": "/mcp", "headers": []}, receive, send)
+        return said[0]["status"], dict(said[0]["headers"]), read
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(post, 3)  # 600 bytes, held until answered
+        await anyio.wait_all_tasks_blocked()
+        status, headers, read = await post(3)
+        assert (status, headers[b"retry-after"], read) == (503, b"1", 3)  # its third piece was one too many
+        answered.set()
+    assert await post(5) == (200, {}, 5)  # the whole budget: free again
+    assert bodies == [b"x" * 600, b"x" * 1000]
