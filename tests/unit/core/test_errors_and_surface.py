@@ -42,6 +42,19 @@ def test_every_error_and_signal_pickles_with_its_state(
     assert back.retryable is cls.retryable
 
 
+@pytest.mark.parametrize("cls", ALL_RAISED, ids=lambda c: c.__name__)
+def test_every_error_and_signal_is_named_where_users_import_it(
+    cls: type[exceptions.StockadeError | exceptions.RunStopped],
+) -> None:
+    # tracebacks and reprs show this name, and pickles hold it: one made by another version of
+    # stockade loads only if no private module of the tree is named in it
+    err = cls.__new__(cls)
+    root = exceptions.RunStopped if issubclass(cls, exceptions.RunStopped) else exceptions.StockadeError
+    root.__init__(err, "boom")
+    assert cls.__module__ == "stockade.exceptions"
+    assert b"stockade.exceptions._" not in pickle.dumps(err)
+
+
 def test_transient_and_permanent_errors_are_told_apart() -> None:
     transient: set[type[exceptions.StockadeError]] = {
         exceptions.SandboxStartError,
