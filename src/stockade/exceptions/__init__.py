@@ -269,6 +269,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotIncompatible",
     "SnapshotNotFound",
+    "SnapshotStoreFull",
     "StockadeError",
     "TierUnavailable",
     "ToolError",

@@ -55,6 +55,19 @@ def test_every_error_and_signal_is_named_where_users_import_it(
     assert b"stockade.exceptions._" not in pickle.dumps(err)
 
 
+@pytest.mark.parametrize("cls", ALL_RAISED, ids=lambda c: c.__name__)
+def test_every_error_and_signal_is_exported_and_reaches_a_client_as_itself(
+    cls: type[exceptions.StockadeError | exceptions.RunStopped],
+) -> None:
+    # the client maps a service's error back to its class by the names the tree exports: one
+    # left out (SnapshotStoreFull was) reached a client as whatever its HTTP status meant
+    from stockade.client._http import _error_class
+
+    assert cls.__name__ in exceptions.__all__
+    if issubclass(cls, exceptions.StockadeError):
+        assert _error_class(cls.__name__, 400) is cls
+
+
 def test_transient_and_permanent_errors_are_told_apart() -> None:
     transient: set[type[exceptions.StockadeError]] = {
         exceptions.SandboxStartError,
