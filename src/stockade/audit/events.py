@@ -78,6 +78,7 @@ class EventKind(enum.StrEnum):
     TOOL_CALL_START = "tool_call_start"  # a tool call about to run (its tool_call comes when it returns)
     OP_START = "op_start"  # a command or run_code about to run in a sandbox (its event comes at the end)
     RUN_ERASED = "run_erased"  # a sealed run's key forgotten (erasure): its attributes are unreadable
+    EGRESS_OPEN = "egress_open"  # a spliced tunnel allowed, as it opens (its egress comes when it ends)
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

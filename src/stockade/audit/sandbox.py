@@ -621,13 +621,15 @@ class AuditedBackend(WrapperBackend):
         return AuditedInstance(instance, self.log, run_id=self.run_id, step=self.step, actor=self.actor)
 
     def _egress_observer(self, spec: SandboxSpec) -> Callable[[EgressRecord], None]:
-        """Each request through the sandbox's proxy, as an ``egress`` event (on the proxy's
-        thread: the log queues it); then the observer the caller gave, if any."""
+        """Each request through the sandbox's proxy, as an ``egress`` event when it ends, and
+        a spliced tunnel also as an ``egress_open`` as it opens (a kind of its own: ``egress``
+        events stay one per request, as ``tool_call_start`` and ``tool_call`` are), on the
+        proxy's thread (the log queues it); then the observer the caller gave, if any."""
         then = spec.egress_observer
 
         def observe(record: EgressRecord) -> None:
             self.log.record(
-                EventKind.EGRESS,
+                EventKind.EGRESS_OPEN if record.phase == "open" else EventKind.EGRESS,
                 run_id=self.run_id,
                 step=self.step(),
                 actor=self.actor,
@@ -637,7 +639,7 @@ class AuditedBackend(WrapperBackend):
                     **{
                         k: v
                         for k, v in dataclasses.asdict(record).items()
-                        if k not in ("duration_s", "credential", "path")
+                        if k not in ("duration_s", "credential", "path", "phase")
                     },
                     "path": _egress_path(self.log.redactor, record.path),
                     # its name: a key named "credential" is redacted as if it held the secret

@@ -82,6 +82,11 @@ class Entry:
             self.told = True
             self.gate.emit(replace(record, duration_s=time.monotonic() - self.started))
 
+    def opened(self, record: EgressRecord) -> None:
+        """Tell ``record`` as the tunnel it is opens (``phase="open"``), before its end: the
+        one record every request has is still told when it ends, however it ends."""
+        self.gate.emit(replace(record, phase="open", duration_s=time.monotonic() - self.started))
+
     def hand_on(self) -> None:
         """The record is others' now (each request inside a tunnel whose TLS the proxy opened)."""
         self.told = True

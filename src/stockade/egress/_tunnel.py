@@ -21,6 +21,7 @@ inside waits for the rest of it (``QUIT`` at a record's end is sent nowhere).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import ssl
 from dataclasses import replace
 from typing import Any
@@ -64,7 +65,8 @@ class Tunnels:
     async def serve(self, conn: Any, client: Plain, request: Any) -> None:
         """Serve the CONNECT ``request`` read from ``client``; the connection ends with it.
         Its one record is told however it ends (``Entry``): a tunnel cut by close() (the
-        sandbox killed) at the lookup, the hello, the connect or the splice too."""
+        sandbox killed) at the lookup, the hello, the connect or the splice too. A spliced
+        tunnel is also told as it opens (``phase="open"``)."""
         target = request.target.decode("ascii", "replace")
         host, port = authority(target)
         with Entry(self.gate, EgressRecord(host=host, port=port, method="CONNECT")) as entry:
@@ -114,6 +116,10 @@ class Tunnels:
         except (TimeoutError, OSError) as err:
             entry.tell(replace(record, status=502, reason=f"cannot reach {host}: {err}"))
             return
+        # Told now, not only at its end: a tunnel may be held for the sandbox's whole life,
+        # and the host may die before it ends. Its end record (bytes, why) has the same id.
+        record = entry.record = replace(record, status=200, tunnel=secrets.token_hex(8))
+        entry.opened(record)
         counts = [0, 0]
         # Why a side broke TLS, kept before the cleanup: a pump cancelled there ends the
         # client's stream, so the client may see the end (and close the proxy, cutting the

@@ -328,7 +328,8 @@ class EgressProxy:
     async def renew(self) -> None:
         """For the sandbox's next user (a reset in place): every connection of the last user's
         cut, its requests in flight too (recorded, status 0) and those waiting in the socket's
-        backlog; the connections kept to servers closed; the budgets per minute afresh; the
+        backlog; the connections kept to servers closed; the budgets per minute and of
+        accepts afresh (one user who spent them leaves the next none of its slowness); the
         TLS contexts of the hosts it named dropped; the resolver's answers and lookups
         forgotten; the credentials' values read again from their sources (on a thread, not
         this loop: a vault may be slow; within ``secrets_timeout_s``, at most one read of a
@@ -351,6 +352,7 @@ class EgressProxy:
         if self.tunnels.ca is not None:
             self.tunnels.ca.forget()
         self.gate.renew()  # the last values dropped first: a failed read leaves none
+        self.accepts = Accepts(self.accepts.burst, self.accepts.per_s)
         if self.policy.credentials:
             secrets = await secrets_in_time(self.policy, self.secrets_timeout_s)
             if not self._closed:  # closed meanwhile (the reset gave up): nothing to hold them for

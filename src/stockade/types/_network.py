@@ -304,6 +304,13 @@ class EgressRecord:
     ``reason`` says which); ``bytes_out`` the body bytes passed on to the server,
     ``bytes_in`` those passed back, counted as they go (a request ended early keeps what
     went). ``credential`` names the one added, once a request's head carried it.
+
+    Every request has one record when it ends (``phase="end"``). A spliced tunnel (a
+    ``CONNECT`` whose TLS is the client's own) also has one as it opens (``phase="open"``:
+    ``allow``, status 200, no bytes yet), told as the proxy connects it to the server: a
+    tunnel may stay open for the sandbox's whole life, and a host that dies first would
+    leave no trace of it. Both carry the tunnel's id (``tunnel``); count requests by their
+    ``end`` records.
     """
 
     host: str
@@ -319,3 +326,5 @@ class EgressRecord:
     reason: str = ""
     credential: str = ""
     duration_s: float = 0.0
+    phase: Literal["open", "end"] = "end"
+    tunnel: str = ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import socket
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,12 +16,15 @@ import pytest
 from stockade import CommandResult, SandboxFileNotFound, SandboxStartError
 from stockade.audit import AuditedBackend, AuditEvent, AuditLog, Chain, Draft, EventKind, MemoryStore, verify
 from stockade.audit.sandbox import TEXT_CAP
+from stockade.egress import EgressProxy, _loop
 from stockade.exceptions import AuditStoreError
 from stockade.sandbox import Sandbox
 from stockade.sandbox.base import Instance, SandboxSpec
 from stockade.sandbox.ops import HostFolder, MakeDir, Op, PutArchive, Remove, RunCommand, WriteFile
 from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
 from stockade.types import ExecRecord
+from tests.conftest import wait_for
+from tests.egress_servers import servers
 
 
 def test_a_sandbox_session_becomes_audit_events() -> None:
@@ -158,6 +163,38 @@ def test_stop_is_recorded_once() -> None:
         instance.close()
         instance.close()
         assert audit.kinds().count(EventKind.SANDBOX_STOP) == 1
+
+
+def test_a_tunnel_held_open_is_in_the_trail_before_it_ends(tmp_path: Path) -> None:
+    """The sandbox's proxy, told to the trail as the audited backend asks (``egress_observer``):
+    an allowed tunnel is an ``egress_open`` event while it is open, then its ``egress`` event
+    (one per request, as before) when it ends, both naming the tunnel."""
+    backend = FakeBackend()
+    with capture_audit() as audit, servers(tmp_path) as local:
+        policy = local.policy(credentials=())
+        instance = AuditedBackend(backend, audit, run_id="r").start(SandboxSpec(network=policy))
+        proxy = EgressProxy(policy, observer=backend.specs[0].egress_observer)
+        port = _loop.call(proxy.start_tcp())
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            target = f"api.test:{local.https_port}"
+            sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            ctx = ssl.create_default_context(cafile=str(local.ca_file))
+            with ctx.wrap_socket(sock, server_hostname="api.test"):
+                wait_for(lambda: audit.of(EventKind.EGRESS_OPEN), what="the tunnel in the trail", timeout_s=5)
+                assert audit.of(EventKind.EGRESS) == []  # still open
+            wait_for(lambda: audit.of(EventKind.EGRESS), what="the tunnel's end", timeout_s=5)
+        finally:
+            _loop.call(proxy.close())
+            instance.close()
+        (opened,), (ended,) = audit.of(EventKind.EGRESS_OPEN), audit.of(EventKind.EGRESS)
+        assert (opened.attributes["host"], opened.attributes["method"], opened.attributes["decision"]) == (
+            "api.test", "CONNECT", "allow",
+        )  # fmt: skip
+        assert opened.attributes["tunnel"] == ended.attributes["tunnel"] != ""
+        assert "phase" not in opened.attributes  # the kind says it
+        assert verify(audit.store).ok
 
 
 class AwayStore(MemoryStore):

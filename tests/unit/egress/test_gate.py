@@ -114,6 +114,21 @@ def test_the_tls_contexts_of_opened_hosts_are_bounded_and_dropped_at_renew() -> 
         _loop.call(proxy.close())
 
 
+def test_a_renew_gives_the_next_user_the_whole_accept_budget() -> None:
+    """A user who spent the connections its budget accepts at once left the next user of
+    the sandbox its own connects waiting in the backlog until the budget refilled."""
+    proxy = EgressProxy(NetworkPolicy(allow_hosts=("pkg.test",)))
+    try:
+        burst = proxy.accepts.burst
+        for _ in range(burst):
+            proxy.accepts.spend()
+        assert proxy.accepts.wait_s(burst) > 0  # the next user's connects would wait
+        _loop.call(proxy.renew())
+        assert proxy.accepts.wait_s(burst) == 0.0  # a whole burst accepted at once
+    finally:
+        _loop.call(proxy.close())
+
+
 class Rotating:
     """A secret source the test rotates, or makes unreadable (a vault down)."""
 

@@ -414,8 +414,35 @@ def test_https_without_a_credential_is_a_tunnel_to_the_server_itself(local: Serv
             proxy.opener([local.ca_file]).open(f"https://api.test:{local.https_port}/auth", timeout=10).read()
         )
     assert body == b"https authorized=False"
-    (record,) = proxy.records
+    opened, record = proxy.records  # as the tunnel opened, then as it ended
+    assert (opened.phase, record.phase, record.tunnel) == ("open", "end", opened.tunnel)
     assert (record.method, record.sni, record.status) == ("CONNECT", "api.test", 200)
+
+
+def test_a_tunnel_held_open_is_recorded_as_it_opens_then_as_it_ends(local: Servers) -> None:
+    """A tunnel may stay open for the sandbox's whole life: the trail has it from its start
+    (allowed, to where), not only once it ends (a host that dies first would have left no
+    record of it at all); its end record says what it carried, under the same id."""
+    with running(local.policy(credentials=())) as proxy:
+        sock = _tunnel(proxy.port, f"api.test:{local.https_port}")
+        ctx = ssl.create_default_context(cafile=str(local.ca_file))
+        with ctx.wrap_socket(sock, server_hostname="api.test") as tls:
+            wait_for(lambda: proxy.records, what="the open tunnel's record", timeout_s=5)
+            (opened,) = proxy.records  # the tunnel still open
+            assert (opened.host, opened.port, opened.method, opened.sni, opened.phase) == (
+                "api.test", local.https_port, "CONNECT", "api.test", "open",
+            )  # fmt: skip
+            assert (opened.decision, opened.status, opened.bytes_out, opened.bytes_in) == ("allow", 200, 0, 0)
+            assert opened.rule == f"allow: api.test:{local.https_port}" and len(opened.tunnel) == 16
+            tls.sendall(b"GET /auth HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := tls.recv(4096):
+                answer += chunk
+        assert answer.endswith(b"https authorized=False")
+        wait_for(lambda: len(proxy.records) == 2, what="the tunnel's end record", timeout_s=5)
+    ended = proxy.records[1]
+    assert (ended.phase, ended.tunnel, ended.decision, ended.status) == ("end", opened.tunnel, "allow", 200)
+    assert ended.bytes_out > 0 and ended.bytes_in > len(answer)  # the TLS records, both ways
 
 
 def _tunnel(port: int, target: str) -> socket.socket:
@@ -709,11 +736,13 @@ def test_closing_records_each_request_once_at_whatever_await_it_was_cut(local: S
         )
         wait_for(lambda: len(proxy._tasks) == 7, what="seven connections served", timeout_s=5)
         _loop.call(asyncio.sleep(0.3))  # the connect and the drain, under way on the proxy's loop
-        assert records == []
+        # None ended; the spliced one is recorded as it opened (before its hello went).
+        assert [(r.host, r.phase) for r in records] == [("quiet.test", "open")]
     finally:
         _loop.call(proxy.close())
         for sock in [*clients, *fillers, full, quiet, *([upstream] if upstream else [])]:
             sock.close()
+    at_open = records.pop(0)
     told = {(r.host, r.method): r for r in records}
     assert len(records) == len(told) == 7, records  # each once
     for key in [("slow.test", "CONNECT"), ("slow.test", "GET"), ("idle.test", "CONNECT"),
@@ -726,6 +755,7 @@ def test_closing_records_each_request_once_at_whatever_await_it_was_cut(local: S
     assert (told["idle.test", "CONNECT"].sni, told["hang.test", "CONNECT"].sni) == ("", "hang.test")
     spliced = told["quiet.test", "CONNECT"]
     assert (spliced.status, spliced.bytes_out, spliced.sni) == (200, len(hello), "quiet.test")
+    assert (spliced.phase, spliced.tunnel) == ("end", at_open.tunnel)
     assert "closed mid-request" in spliced.reason
     refused = told["other.test", "POST"]
     assert (refused.status, refused.decision, refused.rule) == (403, "deny", "allow (no rule)")

@@ -1004,6 +1004,13 @@ def _spliced(
         server.close()
 
 
+def _ended(records: list[EgressRecord]) -> EgressRecord:
+    """A spliced tunnel's record as it ended, after the one told as it opened."""
+    opened, ended = records
+    assert (opened.phase, ended.phase, ended.tunnel) == ("open", "end", opened.tunnel), records
+    return ended
+
+
 def _until_closed(raw: socket.socket, timeout_s: float = 5.0) -> tuple[bytes, bool]:
     """What came back through the tunnel, and whether the proxy closed it within ``timeout_s``."""
     raw.settimeout(timeout_s)
@@ -1044,7 +1051,7 @@ def test_plain_text_after_a_client_hello_never_reaches_the_server(apart: bool) -
         answer, closed = _until_closed(raw)
     assert PLAIN not in server.got and server.got in ((tls,) if apart else (b"", tls))
     assert closed and answer == (SERVER_HELLO if server.got else b"")  # the server answers a hello
-    (tunnel,) = records
+    tunnel = _ended(records)
     assert (tunnel.method, tunnel.rule, tunnel.status) == ("CONNECT", "tls (records)", 200)
     assert "no TLS record" in tunnel.reason and tunnel.bytes_out == len(server.got)
 
@@ -1076,7 +1083,7 @@ def test_a_server_that_does_not_answer_as_tls_gets_the_client_hello_and_nothing_
         _send_on(raw, FAKE_RECORD * 3 + b"QUIT")
         back, closed = _until_closed(raw)
     assert server.got == hello and back == b"" and closed
-    (tunnel,) = records
+    tunnel = _ended(records)
     assert (tunnel.rule, tunnel.status, tunnel.bytes_out, tunnel.bytes_in) == (
         "tls (server)",
         200,
@@ -1109,7 +1116,7 @@ def test_what_the_client_sends_before_the_server_answers_waits_unread_and_charge
         assert back == b"" and closed
         wait_for(lambda: proxy.gate.buffers.held == 0, what="the held bytes given back", timeout_s=5)
     assert server.got == hello
-    assert "did not answer the TLS ClientHello in 3 s" in records[0].reason
+    assert "did not answer the TLS ClientHello in 3 s" in _ended(records).reason
 
 
 def test_a_record_header_a_read_ends_inside_waits_for_the_rest_of_it() -> None:
@@ -1130,7 +1137,7 @@ def test_a_record_header_a_read_ends_inside_waits_for_the_rest_of_it() -> None:
         raw.sendall(b"QUIT")
         back, closed = _until_closed(raw)
     assert server.got == hello + record and back == b"" and closed
-    (tunnel,) = records
+    tunnel = _ended(records)
     assert (tunnel.rule, tunnel.bytes_out) == ("tls (records)", len(hello + record))
 
 
@@ -1184,7 +1191,7 @@ def test_a_real_tls_server_is_reached_through_a_spliced_tunnel(tmp_path: Path, v
             _loop.call(proxy.close())
         assert local.https_seen.received == [size]
     assert answer.startswith(b"HTTP/1.") and answer.endswith(b"got %d bytes" % size), answer[-200:]
-    (tunnel,) = records
+    tunnel = _ended(records)
     assert (tunnel.method, tunnel.sni, tunnel.status) == ("CONNECT", "api.test", 200)
     assert tunnel.bytes_out > size and tunnel.bytes_in > len(answer)
 
