@@ -68,7 +68,11 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     # what the store holds under the id was modified, or needs another host: the caller's fix
     (exc.SnapshotCorrupt, _Kind(status=422, title="Snapshot modified: refused", fix="take a new snapshot")),
     (exc.SnapshotIncompatible, _Kind(status=422, title="Snapshot cannot be restored here")),
-    # QEMU or runsc failed, or the store is full: the message says which
+    (
+        exc.SnapshotStoreFull,
+        _Kind(status=507, title="Snapshot store full", fix="delete snapshots, or ask for more snapshot room"),
+    ),
+    # QEMU or runsc failed: the message says how
     (exc.SnapshotError, _Kind(status=500, title="Snapshot not taken, kept or restored")),
     (
         exc.PathEscapeError,

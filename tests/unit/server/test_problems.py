@@ -51,7 +51,7 @@ EXPECTED = {
     exc.SandboxClosed: 410, exc.ServiceUnavailable: 503, exc.AuditStoreError: 503,
     exc.RunStoreError: 503, exc.RunLeased: 409, exc.SandboxStartError: 503, exc.SandboxCrashed: 502,
     exc.ModelRateLimited: 429, exc.ModelUnavailable: 502, exc.TierUnavailable: 422,
-    exc.WorkspaceFull: 507, exc.StockadeError: 500,
+    exc.WorkspaceFull: 507, exc.SnapshotStoreFull: 507, exc.StockadeError: 500,
 }  # fmt: skip
 
 
@@ -72,7 +72,7 @@ def test_every_error_is_a_problem_with_a_status_that_says_who_acts(cls: type[exc
         assert cls in (exc.StockadeError, exc.AuditError, exc.SandboxError, exc.ServiceError,
                        exc.RunStoreCorrupt, exc.AuditIntegrityError, exc.SandboxCrashed, exc.ProtocolError,
                        exc.ModelError, exc.ModelAuthError, exc.ModelRequestRejected, exc.ModelResponseInvalid,
-                       exc.WorkspaceFull,
+                       exc.WorkspaceFull, exc.SnapshotStoreFull,
                        exc.ImageNotFound, exc.SnapshotError), cls  # fmt: skip
     assert "secret output" not in problem.content().decode()  # a crash's output stays on the server
     described = problems.describe(problems.slug(cls.__name__))
