@@ -1,5 +1,5 @@
 """What an exec is judged as is what the kernel runs: the path (a ".." is the parent of where
-the links before it lead, not of the name written before it: execjudge.exec_path), and for a
+the links before it lead, not of the name written before it: execpaths.exec_path), and for a
 script its interpreter too, with the argv the kernel gives it (execruns.interpreted)."""
 
 from __future__ import annotations
@@ -29,34 +29,39 @@ def execruns(execjudge: Any) -> Any:
     return importlib.import_module("execruns")
 
 
-def test_a_dot_dot_after_a_link_is_the_parent_of_its_target(execjudge: Any, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def execpaths(execjudge: Any) -> Any:
+    return importlib.import_module("execpaths")
+
+
+def test_a_dot_dot_after_a_link_is_the_parent_of_its_target(execpaths: Any, tmp_path: Path) -> None:
     (tmp_path / "a/b/c").mkdir(parents=True)
     (tmp_path / "a/usr/bin").mkdir(parents=True)
     (tmp_path / "a/usr/bin/true").write_text("a copy the code wrote")
     (tmp_path / "l").symlink_to(tmp_path / "a/b/c")
     asked = f"{tmp_path}/l/../../usr/bin/true"
     assert os.path.normpath(asked) == f"{tmp_path.parent}/usr/bin/true"  # what the judge saw before
-    judged = execjudge.exec_path(os.getpid(), asked)
+    judged = execpaths.exec_path(os.getpid(), asked)
     assert judged == f"{tmp_path}/a/usr/bin/true"
     assert os.path.samefile(judged, asked)  # the file the kernel opens
 
 
-def test_the_last_name_stays_a_links_own(execjudge: Any, tmp_path: Path) -> None:
+def test_the_last_name_stays_a_links_own(execpaths: Any, tmp_path: Path) -> None:
     # The rules judge a link by its name (a link named as a listed program is judged as what
     # it leads to by the file, and as itself by the name): only the folders are resolved.
     (tmp_path / "d").mkdir()
     (tmp_path / "d/cat").symlink_to("/bin/true")
-    assert execjudge.exec_path(os.getpid(), f"{tmp_path}/d/../d/cat") == f"{tmp_path}/d/cat"
+    assert execpaths.exec_path(os.getpid(), f"{tmp_path}/d/../d/cat") == f"{tmp_path}/d/cat"
 
 
-def test_a_path_without_dot_dot_is_judged_as_written(execjudge: Any) -> None:
-    assert execjudge.exec_path(os.getpid(), "/usr/bin/true") == "/usr/bin/true"
+def test_a_path_without_dot_dot_is_judged_as_written(execpaths: Any) -> None:
+    assert execpaths.exec_path(os.getpid(), "/usr/bin/true") == "/usr/bin/true"
 
 
-def test_a_folder_only_the_caller_can_walk_is_refused(execjudge: Any, tmp_path: Path) -> None:
+def test_a_folder_only_the_caller_can_walk_is_refused(execpaths: Any, tmp_path: Path) -> None:
     (tmp_path / "cwd").symlink_to("/proc/self/cwd")
     with pytest.raises(OSError):
-        execjudge.exec_path(os.getpid(), f"{tmp_path}/cwd/x/../true")
+        execpaths.exec_path(os.getpid(), f"{tmp_path}/cwd/x/../true")
 
 
 # What fs/binfmt_script.c makes of a first line: the name up to a space, tab or NUL; the rest,

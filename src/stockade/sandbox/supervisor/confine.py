@@ -515,7 +515,7 @@ def read_path(mem: int, pid: int, nr: int, args: "Tuple[int, ...]") -> str:
     """The path an exec asked for, made absolute (a relative one is relative to the caller's
     working folder, or to execveat's folder), without its empty and "." parts. Its ".."
     parts are kept: each is the parent of where the links before it lead, which only a walk
-    of the caller's folders tells (``execjudge.exec_path``), not of the name written before
+    of the caller's folders tells (``execpaths.exec_path``), not of the name written before
     it."""
     if nr == NR_EXECVE:
         path_at, base = args[0], f"/proc/{pid}/cwd"
