@@ -167,7 +167,7 @@ def test_a_script_in_a_tool_output_is_text(finished: tuple[Ui, str], page: Page)
 def test_a_long_run_pages_back_to_its_first_event(page: Page, tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
-    from stockade.server.viewer.data import PAGE
+    from stockade.server.viewer.values import PAGE
     from tests.unit.server.test_viewer_data import lengthen, record
 
     made: list[str] = []  # recorded on a thread of its own: Playwright's loop runs on this one

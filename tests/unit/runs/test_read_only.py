@@ -20,7 +20,8 @@ from stockade.models import ScriptedModel, tool_call
 from stockade.policy import Policy
 from stockade.policy.schema import TrustRules
 from stockade.runs import RetryEntry, open_run_store
-from stockade.server.viewer.data import Filters, LocalRuns
+from stockade.server.viewer.data import LocalRuns
+from stockade.server.viewer.values import Filters
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.types import Trust
 

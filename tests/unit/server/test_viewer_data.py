@@ -16,7 +16,9 @@ from stockade.models import ScriptedModel, tool_call
 from stockade.policy import Policy
 from stockade.policy.approval import ApprovalStore, Choice
 from stockade.policy.schema import CommandRules, PathRules, TrustRules
-from stockade.server.viewer.data import PAGE, Filters, LocalRuns, RunView, Window, timeline
+from stockade.server.viewer.data import LocalRuns
+from stockade.server.viewer.timeline import timeline
+from stockade.server.viewer.values import PAGE, Filters, RunView, Window
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.types import Trust
 

@@ -17,7 +17,8 @@ import uvicorn
 
 from stockade.models import tool_call
 from stockade.policy.approval import ApprovalStore
-from stockade.server.viewer.data import PAGE, LocalRuns
+from stockade.server.viewer.data import LocalRuns
+from stockade.server.viewer.values import PAGE
 from stockade.server.viewer.web import _csrf, _diff_class, _diff_lines, local_app
 from tests.conftest import wait_for
 from tests.unit.server.test_viewer_data import LONG, lengthen, record

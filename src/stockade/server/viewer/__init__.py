@@ -1,7 +1,8 @@
 """The run viewer: the runs, each as a timeline, its approvals, its diff and its audit chain.
 
 Served by ``stockade serve`` (``/ui``, a tenant signs in with an API token) and by
-``stockade ui`` on a laptop (127.0.0.1, the local SQLite stores). ``data`` reads the stores;
+``stockade ui`` on a laptop (127.0.0.1, the local SQLite stores). ``values`` are what the
+pages show, ``timeline`` makes a run's audit events their entries, ``data`` reads the stores;
 ``web`` renders the pages. Needs the ``server`` extra (FastAPI, Jinja2).
 """
 

@@ -53,17 +53,17 @@ from stockade import exceptions as exc
 from stockade._display import visible
 from stockade.policy.approval import Choice
 from stockade.server.streams import HeldStream, StreamSlot, StreamSlots
-from stockade.server.viewer.data import (
+from stockade.server.viewer.data import ServiceRuns
+from stockade.server.viewer.sessions import Sessions
+from stockade.server.viewer.values import (
     LATEST,
     SETTLED,
     STATUSES,
     Filters,
     RunSource,
     RunView,
-    ServiceRuns,
     Window,
 )
-from stockade.server.viewer.sessions import Sessions
 
 __all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "ViewerHeaders", "local_app", "viewer_router"]
 
