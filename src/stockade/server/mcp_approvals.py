@@ -24,7 +24,8 @@ from stockade import exceptions as exc
 from stockade._display import visible
 from stockade.policy import approval
 from stockade.policy.approval import CLIENT_ACTOR, Choice
-from stockade.server.mcp_session import McpAgent, McpSession, Paused, PendingApproval
+from stockade.server.mcp_outcomes import Paused, PendingApproval
+from stockade.server.mcp_session import McpAgent, McpSession
 
 __all__ = ["AskingApprovals", "asks_by_retry", "input_required"]
 

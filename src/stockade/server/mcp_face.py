@@ -28,15 +28,8 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from stockade import exceptions as exc
 from stockade.server.mcp_approvals import AskingApprovals, asks_by_retry, input_required
-from stockade.server.mcp_session import (
-    CANCELLED,
-    CallResult,
-    Ended,
-    McpAgent,
-    McpSession,
-    Outcome,
-    Paused,
-)
+from stockade.server.mcp_outcomes import CallResult, Ended, Outcome, Paused
+from stockade.server.mcp_session import CANCELLED, McpAgent, McpSession
 
 __all__ = ["GONE", "MAX_MESSAGE_BYTES", "SESSION_HEADER", "McpFace"]
 

@@ -20,6 +20,11 @@ in and outcomes out. An action the policy sends for approval pauses the run, as 
 any run: the outcome is ``Paused`` with the pending requests; whoever decides (the MCP
 client through elicitation, ``stockade approve``, the run viewer) writes the decision to the
 approval book and the session resumes, which runs the parked call again under the decision.
+
+What a call comes to (``CallResult``, ``Paused``, ``Ended``) are values of their own
+(``mcp_outcomes``), and so are the session's tools as it wraps them, cut when their client
+cancels and serving resources (``mcp_tools``); here are the agent, its sessions and the
+model that is their clients.
 """
 
 from __future__ import annotations
@@ -27,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 import dataclasses
-import functools
 import itertools
 import json
 import logging
@@ -38,11 +41,9 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, JsonValue
+from pydantic import JsonValue
 
 from stockade import exceptions as exc
 from stockade.agent.nodes import RunResult
@@ -50,16 +51,11 @@ from stockade.agent.state import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
 from stockade.models.base import Model
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage, Usage
-from stockade.policy.approval import ApprovalRequest, Choice, unanswered
+from stockade.policy.approval import Choice, unanswered
 from stockade.policy.schema import Verdict
-from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
-from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import Op
-from stockade.tools import builtin
-from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
+from stockade.server.mcp_outcomes import CallResult, ClientCall, Ended, Outcome, Paused, PendingApproval
+from stockade.server.mcp_tools import cancellable, running, serving_resources
 from stockade.tools.builtin import default_toolset
-from stockade.tools.deadline import stopping
-from stockade.tools.workspace_diff import snapshot, workspace_diff
 
 __all__ = [
     "CANCELLED",
@@ -85,73 +81,6 @@ _END = object()  # put in a session's inbox: the client went away
 MAX_QUEUED_CALLS = 8  # per session
 MAX_QUEUED_BYTES = 64 << 20  # of queued arguments, every session of the server together
 
-
-@dataclass(frozen=True, kw_only=True)
-class CallResult:
-    """What the tool call returned (its observation, as the model of a run would see it)."""
-
-    text: str
-    is_error: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class PendingApproval:
-    run_id: str
-    request_id: str
-    action: str
-    rule: str
-    reason: str
-
-    def request(self) -> ApprovalRequest:
-        return ApprovalRequest.kept(
-            {"run_id": self.run_id, "id": self.request_id, "action": self.action, "rule": self.rule,
-             "reason": self.reason}
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, kw_only=True)
-class Paused:
-    """The call waits for a human decision on ``approvals``; then ``McpSession.resume``."""
-
-    approvals: tuple[PendingApproval, ...]
-    call: ToolCall | None = None  # the call that waits, as its client sent it
-
-    def holds(self, name: str, args: Mapping[str, JsonValue]) -> bool:
-        """Whether a call of ``name`` with ``args`` is the one that waits (a client's retry)."""
-        return self.call is not None and self.call.name == name and self.call.args == dict(args)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Ended:
-    """The session's run ended (killed, denied too often, out of budget, ...): no more calls."""
-
-    status: str
-    error: str | None
-
-
-Outcome = CallResult | Paused | Ended
-
-
-@dataclass
-class _Call:
-    call: ToolCall
-    future: concurrent.futures.Future[Outcome] = field(default_factory=concurrent.futures.Future)
-    # A resource read: a call of its matching tool, whose result is the content itself
-    # (``_serve_resource``), not the tool's numbered lines or listing
-    resource: bool = False
-    content: str | None = None
-    # Its client gave it up (``notifications/cancelled``): queued, it never runs; running, its
-    # sandbox work is cut, nothing more of it runs, and its result is ``CallCancelled``
-    cancelled: bool = False
-    size: int = 0  # of its arguments, counted against the server's queued bytes while queued
-    queued: bool = True  # still in its session's inbox, counted against its caps
-
-
-# The session whose loop runs on this thread (its asyncio.run copies the context).
-_running: contextvars.ContextVar[McpSession | None] = contextvars.ContextVar(
-    "stockade_mcp_session", default=None
-)
-
 MODEL_NAME = "mcp"  # what the policy's [models] approved list must allow
 # who denied what a cancelled call waited for: nobody was left to ask
 CANCELLED = unanswered("the MCP client cancelled the call", timeout=False)
@@ -170,14 +99,14 @@ class ClientModel(Model):
     name = MODEL_NAME
 
     async def request(self, request: ModelRequest) -> ModelResponse:
-        session = _running.get()
+        session = running.get()
         if session is None:
             raise exc.ConfigurationError("the MCP client model runs only inside an MCP session")
         session._deliver(request.messages)
         name = MODEL_NAME  # what the policy's registry judges; the client is in the run's task
         while True:
             item = await session._next()
-            if item is _END or not isinstance(item, _Call):
+            if item is _END or not isinstance(item, ClientCall):
                 return ModelResponse(
                     text="the MCP client ended its session", finish_reason="stop", model_name=name,
                     usage=_NO_TOKENS,
@@ -202,7 +131,7 @@ class McpAgent:
         tools = config.tools if config.tools is not None else default_toolset()
         # a resource read is the call of its tool: judged, limited and recorded as that call is
         config = dataclasses.replace(
-            config, model=ClientModel(), tools=_serving_resources(tools).wrapped(_cancellable)
+            config, model=ClientModel(), tools=serving_resources(tools).wrapped(cancellable)
         )
         self.config = config
         self.workspace = workspace
@@ -288,7 +217,7 @@ class McpSession:
         self.run_id = f"mcp-{uuid.uuid4().hex[:20]}"
         self._inbox: queue.Queue[object] = queue.Queue()
         self._control: queue.Queue[concurrent.futures.Future[Outcome] | None] = queue.Queue()
-        self._current: _Call | None = None
+        self._current: ClientCall | None = None
         self._queued = 0  # calls in the inbox, not taken nor cancelled
         self._lock = threading.Lock()  # between the loop taking a call and its client cancelling it
         self._ids = itertools.count(1)
@@ -323,7 +252,7 @@ class McpSession:
         if self.closed:
             return self._ended()
         call = ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args))
-        item = _Call(call=call, resource=resource, size=_size(args))
+        item = ClientCall(call=call, resource=resource, size=_size(args))
         with self._lock:
             if self._queued >= MAX_QUEUED_CALLS:
                 raise exc.SessionBusy(
@@ -347,7 +276,7 @@ class McpSession:
             raise
 
     async def _unless_gone(
-        self, item: _Call, waiting: asyncio.Future[Outcome], gone: Callable[[], Awaitable[object]]
+        self, item: ClientCall, waiting: asyncio.Future[Outcome], gone: Callable[[], Awaitable[object]]
     ) -> None:
         """Until ``item`` is answered, or ``gone`` returns while it still waits in the inbox:
         then it is dropped (its arguments with it: a client that sent calls of ~4 MB each
@@ -368,7 +297,7 @@ class McpSession:
                 f"its request went away while call {item.call.id} was queued; it never ran"
             )
 
-    def _cancel(self, item: _Call) -> None:
+    def _cancel(self, item: ClientCall) -> None:
         """The client gave ``item`` up: queued, it is dropped; running, what it runs in the
         sandbox is cut (a thread of its own: the cut waits for the sandbox's answer)."""
         with self._lock:
@@ -482,7 +411,7 @@ class McpSession:
             with owner.agent.session(workspace=owner.workspace, run_id=self.run_id) as session:
                 self._agent_session = session
                 self._started.set()
-                _running.set(self)
+                running.set(self)
                 result = session.run_sync(f"MCP session of {self.client}")
                 while result.status is RunStatus.PAUSED:
                     paused = self._paused(session)
@@ -589,7 +518,7 @@ class McpSession:
             return Ended(status="ended", error="the MCP session has ended")
         return Ended(status=result.status.value, error=result.error)
 
-    def _unqueue(self, item: _Call) -> None:
+    def _unqueue(self, item: ClientCall) -> None:
         """``item`` left the inbox's count (taken, cancelled, or told the end); under ``_lock``."""
         if item.queued:
             item.queued = False
@@ -604,7 +533,7 @@ class McpSession:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Call):
+            if isinstance(item, ClientCall):
                 with self._lock:
                     self._unqueue(item)
                 if not item.future.done():
@@ -614,113 +543,3 @@ class McpSession:
 def _size(args: Mapping[str, JsonValue]) -> int:
     """About the bytes ``args`` hold (their JSON), what a queued call keeps."""
     return len(json.dumps(args, ensure_ascii=False, default=str))
-
-
-def _cancelled(ctx: ToolContext) -> _Call | None:
-    """The call ``ctx`` serves, if its client cancelled it."""
-    session = _running.get()
-    current = session._current if session is not None else None
-    if current is None or current.call.id != ctx.call_id or not current.cancelled:
-        return None
-    return current
-
-
-class _CancellableInstance(WrapperInstance):
-    """A call's sandbox that runs nothing more once its client cancelled the call."""
-
-    def __init__(self, wrapped: Instance, ctx: ToolContext) -> None:
-        super().__init__(wrapped)
-        self._ctx = ctx
-
-    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
-        _stop_if_cancelled(self._ctx)
-        return self.wrapped.handle(op, sink)
-
-
-def _stop_if_cancelled(ctx: ToolContext) -> None:
-    if _cancelled(ctx) is not None:
-        raise exc.CallCancelled(
-            f"the MCP client cancelled this call ({ctx.call_id}); its sandbox work was cut"
-        )
-
-
-async def _cancellable(ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext) -> object:
-    """A tool call its client may cancel: its sandbox ops are refused once it is, its host work
-    stops at its next checkpoint, and whatever it returned from the cut is ``CallCancelled``,
-    so the run's record (and the trail) says the client cancelled it, not that it ran."""
-
-    def within(sandbox: Sandbox) -> Sandbox:
-        return Sandbox(_CancellableInstance(sandbox.instance, ctx))
-
-    guarded = dataclasses.replace(
-        ctx,
-        sandbox=within(ctx.sandbox),
-        bookkeeping=within(ctx.bookkeeping) if ctx.bookkeeping is not None else None,
-    )
-    _stop_if_cancelled(ctx)
-    with stopping(functools.partial(_stop_if_cancelled, ctx)):
-        value = await call_next(guarded, tool, args)
-    _stop_if_cancelled(ctx)
-    return value
-
-
-def _serving(ctx: ToolContext) -> _Call | None:
-    """The resource read this tool call stands for, if it is one (see ``McpSession.call``)."""
-    session = _running.get()
-    current = session._current if session is not None else None
-    if current is None or not current.resource or current.call.id != ctx.call_id:
-        return None
-    return current
-
-
-# The most of a file a resource read serves (a model reads the rest through read_file).
-RESOURCE_BYTES = 1 << 20
-
-
-# The tools a resource is read through, as calls of the same names, arguments and rules: what a
-# call returns is the tool's own result, or, standing for a resource read, the content itself,
-# read through the call's sandbox (inside its guards and limits: an approval of the call holds).
-def _read_file(ctx: ToolContext, path: str, offset: int = 0, limit: int = 400) -> str:
-    served = _serving(ctx)
-    if served is None:
-        return str(builtin.read_file.function(ctx, path, offset, limit))
-    # At most RESOURCE_BYTES of it: a whole file (up to the 256 MiB a read takes) became one
-    # JSON message, and the server held ~13 times the file while it made it (1.6 GB for 128 MiB)
-    data = ctx.sandbox.files.read_range(path, 0, RESOURCE_BYTES + 1)
-    text = data[:RESOURCE_BYTES].decode("utf-8", errors="replace")
-    if len(data) > RESOURCE_BYTES:
-        text += f"\n[cut at {RESOURCE_BYTES:,} bytes: read_file reads the rest, a range of lines at a time]"
-    served.content = text
-    return served.content
-
-
-def _list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
-    served = _serving(ctx)
-    if served is None:
-        return str(builtin.list_files.function(ctx, path, depth))
-    # a JSON list, not one a line: a name may hold a newline (or \r, \u2028, ...), and split it
-    # made resources of files that do not exist
-    served.content = json.dumps(sorted(snapshot(ctx.sandbox, deadline=ctx.deadline)))
-    return served.content
-
-
-def _git_diff(ctx: ToolContext) -> str:
-    served = _serving(ctx)
-    if served is None:
-        return str(builtin.git_diff.function(ctx))
-    session = _running.get()
-    assert session is not None
-    keep = session.owner.agent.engine.hands_back
-    served.content = workspace_diff(ctx.records, keep, baseline=ctx.baseline)
-    return served.content
-
-
-def _serving_resources(tools: Toolset) -> Toolset:
-    """``tools`` with the built-in read_file, list_files and git_diff able to serve resources."""
-    serving = {"read_file": _read_file, "list_files": _list_files, "git_diff": _git_diff}
-    own = {name: getattr(builtin, name) for name in serving}
-    swapped = [
-        dataclasses.replace(t, function=serving[t.name]) if t.name in serving and t is own[t.name] else t
-        for t in tools
-    ]
-    return tools.filtered(lambda _: False).including(*swapped)  # in their order, wrappers kept

@@ -23,7 +23,7 @@ from stockade.sandbox.base import Backend, Instance, SandboxSpec, WrapperBackend
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, RunCommand
 from stockade.sandbox.pool import _Lease
-from stockade.server.mcp_session import _CancellableInstance
+from stockade.server.mcp_tools import _CancellableInstance
 from stockade.testing import FakeBackend, FakeInstance, FaultInjectingBackend
 from stockade.tools.base import ToolContext
 from stockade.tools.deadline import DeadlineInstance
@@ -38,7 +38,7 @@ WRAPPER_MODULES = (
     "stockade.runtime.killswitch",
     "stockade.runtime.retry",
     "stockade.sandbox.pool",
-    "stockade.server.mcp_session",
+    "stockade.server.mcp_tools",
     "stockade.testing",
     "stockade.tools.deadline",
 )

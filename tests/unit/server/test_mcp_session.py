@@ -21,16 +21,8 @@ from stockade.policy import Policy
 from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
 from stockade.sandbox.ops import RunCommand
-from stockade.server.mcp_session import (
-    MAX_QUEUED_BYTES,
-    MAX_QUEUED_CALLS,
-    MODEL_NAME,
-    CallResult,
-    Ended,
-    McpAgent,
-    Outcome,
-    Paused,
-)
+from stockade.server.mcp_outcomes import CallResult, Ended, Outcome, Paused
+from stockade.server.mcp_session import MAX_QUEUED_BYTES, MAX_QUEUED_CALLS, MODEL_NAME, McpAgent
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools.base import ToolContext, tool
 from stockade.tools.builtin import default_toolset
