@@ -63,6 +63,7 @@ def test_a_sandbox_start_loads_the_supervisors_modules_it_needs_and_no_more() ->
     siblings = {n.removesuffix(".py") for n in MODULES}
     assert _imported_at_start("supervisor", siblings - {"supervisor"}) == {
         "baseline",
+        "eventloop",
         "fileops",
         "files",
         "jobs",

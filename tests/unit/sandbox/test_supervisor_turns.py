@@ -1,4 +1,4 @@
-"""One turn of the supervisor's loop (supervisor/supervisor.py): the deadline's kill comes
+"""One turn of the supervisor's loop (supervisor/eventloop.py): the deadline's kill comes
 first, and an event whose descriptor an earlier part of the turn closed is not dispatched."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.unit.sandbox.supervisor_modules import supervisor_module
 
 @pytest.fixture(scope="module")
 def poller_type() -> Any:
-    return supervisor_module("supervisor").Poller
+    return supervisor_module("eventloop").Poller
 
 
 def test_an_event_closed_earlier_in_the_turn_is_not_dispatched(poller_type: Any) -> None:
