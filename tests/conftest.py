@@ -285,8 +285,13 @@ def _marked(path: Path, mark: str) -> frozenset[str]:
         node.name
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and any(ast.unparse(decorator) == f"pytest.mark.{mark}" for decorator in node.decorator_list)
+        and any(_mark_name(decorator) == f"pytest.mark.{mark}" for decorator in node.decorator_list)
     )
+
+
+def _mark_name(decorator: ast.expr) -> str:
+    """``pytest.mark.alone`` for ``@pytest.mark.alone`` and ``@pytest.mark.alone(before=...)``."""
+    return ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -412,11 +417,14 @@ def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: _RunLocks | N
     move (the host's open files): in a parallel run it waits until no other test runs, and no
     other test starts until it ends. Every other test shares the lock; the turnstile keeps a
     stream of them from starving a waiting ``alone`` test. When this worker's next test is
-    marked ``alone`` too, the lock is kept for it."""
+    marked ``alone`` too, the lock is kept for it. ``@pytest.mark.alone(before="fixture")``:
+    that fixture (what the test needs built, not measured: a machine of its own) is set up
+    first, under the shared lock, so that the other workers go on beside it."""
     if _run_locks is None:
         yield
         return
-    if request.node.get_closest_marker("alone") is None:
+    marker = request.node.get_closest_marker("alone")
+    if marker is None:
         _run_locks.shared()
         try:
             yield
@@ -428,6 +436,13 @@ def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: _RunLocks | N
         # under the lock): made before it, the other workers run on meanwhile instead of
         # waiting for that boot too. The probe is kept: the test's own ask costs nothing.
         tier_available("microvm")
+    before = marker.kwargs.get("before")
+    if before is not None:  # built as an ordinary test runs: beside others, never beside an `alone` one
+        _run_locks.shared()  # (an exclusive lock kept from this worker's last test becomes shared)
+        try:
+            request.getfixturevalue(before)
+        finally:
+            _run_locks.release()  # held, it would deadlock with an `alone` test waiting at the turnstile
     _run_locks.exclusive()
     try:
         yield
