@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import struct
 import subprocess
 import sysconfig
 from collections.abc import Iterator
@@ -285,11 +286,11 @@ def test_run_by_runsc_under_an_allowlist_no_file_the_code_wrote_runs_its_exec_re
             assert outcomes == RAN, place
 
 
-def test_under_docker_under_an_allowlist_no_file_the_code_wrote_runs_but_it_faults() -> None:
+def test_under_docker_under_an_allowlist_a_dynamically_linked_copy_the_code_wrote_faults() -> None:
     """The engine cannot mark a bind noexec in gVisor's view (its binds take no such option):
     gVisor accepts the exec, the host's noexec tmpfs refuses gVisor's executable mapping of
     the file, and the program dies of SIGSEGV at its first instruction. Contained, not
-    refused. Without an allowlist it runs."""
+    refused; a static program is not (the test above). Without an allowlist it runs."""
     require_tier("gvisor")
     docker = GVisorBackend(mode="docker")
     require("gVisor under Docker", docker.probe().available)
@@ -299,6 +300,83 @@ def test_under_docker_under_an_allowlist_no_file_the_code_wrote_runs_but_it_faul
     with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
         for place, outcomes in _run_written_copies(sbx).items():
             assert outcomes == RAN, place
+
+
+def _static_program() -> bytes:
+    """A static x86-64 ELF of 159 bytes, made by hand: it writes PWNED and exits 0. It needs
+    no loader and no library, and fits in one page."""
+    code = (
+        bytes.fromhex(
+            "b801000000"  # mov eax, 1 (write)
+            "bf01000000"  # mov edi, 1
+            "488d3510000000"  # lea rsi, [rip + 16]: the message, after the code
+            "ba06000000"  # mov edx, 6
+            "0f05"  # syscall
+            "b83c000000"  # mov eax, 60 (exit)
+            "31ff"  # xor edi, edi
+            "0f05"  # syscall
+        )
+        + b"PWNED\n"
+    )
+    base, entry = 0x400000, 64 + 56  # the code follows the ELF header and its one PT_LOAD
+    header = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)
+    header += struct.pack("<HHIQQQIHHHHHH", 2, 0x3E, 1, base + entry, 64, 0, 0, 64, 56, 1, 0, 0, 0)
+    load = struct.pack("<IIQQQQQQ", 1, 5, 0, base, base, entry + len(code), entry + len(code), 0x1000)
+    return header + load + code
+
+
+# The probe copies the static program into each written place and runs it from a fork,
+# printing per place "ran" (it printed PWNED), "exit N", "signal N", or the errno refusing it.
+RUN_A_WRITTEN_STATIC_PROGRAM = r"""
+import errno, os, shutil
+for place in ("/tmp", "/workspace", "/dev/shm"):
+    copy = shutil.copy("/workspace/static", place + "/static-copy")
+    os.chmod(copy, 0o755)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(write, 1)
+        try:
+            os.execv(copy, [copy])
+        except OSError as err:
+            os.write(2, errno.errorcode[err.errno].encode())
+            os._exit(126)
+    os.close(write)
+    said = os.read(read, 64)
+    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(place, "ran" if said == b"PWNED\n" else f"signal {-rc}" if rc < 0 else f"exit {rc}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome", "says"),
+    [
+        ("runsc", "exit 126", "no program the code wrote runs"),
+        ("docker", "ran", "a program the code wrote can run"),
+    ],
+)
+def test_under_an_allowlist_what_a_static_program_the_code_wrote_does_is_what_enforcement_says(
+    mode: str, outcome: str, says: str, request: pytest.FixtureRequest
+) -> None:
+    """A static program faults on no host mapping: run by stockade's own runsc, gVisor refuses
+    its exec (its places noexec in gVisor's view); under Docker, whose binds cannot carry
+    ``noexec`` into that view, it runs, from commands and the interpreter alike, and
+    ``enforcement.weakened`` says so rather than claiming the guarantee."""
+    require_tier("gvisor")
+    backend = _gvisor(mode, request)
+    with Sandbox.create(backend=backend, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
+        commands = next(said for said in sbx.enforcement.weakened if said.startswith("command rules"))
+        assert says in commands, sbx.enforcement
+        sbx.files.write("static", _static_program())
+        command = sbx.commands.run(["python3", "-c", RUN_A_WRITTEN_STATIC_PROGRAM])
+        code = sbx.run_code(RUN_A_WRITTEN_STATIC_PROGRAM)
+        assert code.error is None, code
+        for out in (command.stdout, code.logs.stdout):
+            assert dict(line.split(" ", 1) for line in out.splitlines()) == {
+                "/tmp": outcome,
+                WORKSPACE: outcome,
+                "/dev/shm": outcome,
+            }, (command, code)
 
 
 @pytest.mark.parametrize("mode", ["docker", "runsc"])

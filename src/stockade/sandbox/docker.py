@@ -230,8 +230,17 @@ class DockerBackend(DockerPlan, SupervisorFiles):
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         enforcement = self._plan(spec)
-        # gVisor's kernel has neither Landlock nor seccomp user notification.
-        rules = _rules.plan(spec, root=self._image_root(), can_mask=True, can_confine=not self.own_kernel)
+        # gVisor's kernel has neither Landlock nor seccomp user notification; it sees the
+        # engine's binds (host tmpfs, as root) without noexec (Engine API 1.41 takes no such
+        # option), and the engine's tmpfs with it but with no host noexec under its mappings.
+        rules = _rules.plan(
+            spec,
+            root=self._image_root(),
+            can_mask=True,
+            can_confine=not self.own_kernel,
+            sees_noexec=not (self.own_kernel and self.host_tmpfs),
+            maps_noexec=not self.own_kernel or self.host_tmpfs,
+        )
         api = self._api()
         if not self._collected:
             self._collected = True

@@ -15,8 +15,17 @@ from stockade.types import Mechanism, SandboxRules
 RULES = SandboxRules(deny=("curl", "git push"), write=("src/**",))
 
 
-def plan(spec: SandboxSpec, *, can_confine: bool = True) -> _rules.RulesPlan:
-    return _rules.plan(spec, root=None, can_mask=True, can_confine=can_confine)
+def plan(
+    spec: SandboxSpec, *, can_confine: bool = True, sees_noexec: bool = True, maps_noexec: bool = True
+) -> _rules.RulesPlan:
+    return _rules.plan(
+        spec,
+        root=None,
+        can_mask=True,
+        can_confine=can_confine,
+        sees_noexec=sees_noexec,
+        maps_noexec=maps_noexec,
+    )
 
 
 def test_sandboxes_of_one_policy_share_its_plan() -> None:
@@ -173,3 +182,20 @@ def test_an_allowlist_without_the_image_to_look_in_is_refused_unless_weaker() ->
     weaker = plan(SandboxSpec(rules=SandboxRules(allow=("ls",)), allow_weaker=True))
     assert "/usr/bin/bash" not in weaker.masks  # by name only: the multi-call binaries
     assert any(w.startswith("commands.allow") for w in weaker.weakened)
+
+
+def test_what_an_unconfined_allowlist_holds_of_written_files_is_what_the_tier_sees() -> None:
+    """On gVisor: run by runsc, the written places are noexec in its view over a host noexec
+    tmpfs; under Docker as root its binds carry no noexec into its view; without root its own
+    tmpfs has it, but no host tmpfs under it refuses a library's executable mapping."""
+    spec = SandboxSpec(rules=SandboxRules(allow=("ls",)), allow_weaker=True)
+
+    def said(*, sees: bool, maps: bool) -> str:
+        weakened = plan(spec, can_confine=False, sees_noexec=sees, maps_noexec=maps).weakened
+        return next(said for said in weakened if said.startswith("command rules"))
+
+    assert "no program the code wrote runs" in said(sees=True, maps=True)
+    assert "library" not in said(sees=True, maps=True)
+    assert "a program the code wrote can run" in said(sees=False, maps=True)
+    assert "no program the code wrote runs" not in said(sees=False, maps=True)
+    assert "a library it wrote runs" in said(sees=True, maps=False)
