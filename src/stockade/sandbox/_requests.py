@@ -311,6 +311,9 @@ def tar_chunks(
         header = info.tobuf(tar.format, tar.encoding, tar.errors)
         buf += header
         total += len(header)
+        # a header may complete the chunk (or, a long name's, pass it): sent before the data,
+        # which then reads at least a byte and never more than a chunk
+        yield from _full_chunks(buf, size)
         if data is not None and info.isreg():
             with data:
                 left = info.size

@@ -16,6 +16,7 @@ import pytest
 from stockade import exceptions as exc
 from stockade.runs.seeds import pack_workspace
 from stockade.sandbox._archive_members import MAX_DEPTH
+from stockade.sandbox._requests import tar_chunks
 from stockade.sandbox.facade import tar_directory
 
 Nest = Callable[[Path, int], Path]
@@ -132,3 +133,22 @@ def test_a_socket_in_a_folder_is_left_out_of_every_archive(tmp_path: Path) -> No
         packed, _ = pack_folder(folder, tmp_path, cap=1 << 20, what="the folder")  # a download
         with packed, tarfile.open(fileobj=packed) as download:
             assert download.getnames() == ["kept.txt"]
+
+
+@pytest.mark.parametrize("size", [512, 1024, 1536, 4096])
+def test_a_header_that_fills_a_chunk_is_sent_before_the_files_data(tmp_path: Path, size: int) -> None:
+    # A header that left the buffer exactly one chunk long read 0 bytes of its file, taken as
+    # the file having shrunk (an upload of 100,000 small files failed so, found from outside);
+    # a long name's PAX header past the chunk read the whole file at once. Headers of one
+    # block (512 bytes) and of several, with files of every alignment, at several chunk sizes.
+    for i in range(12):
+        (tmp_path / f"f{i:02}").write_bytes(bytes([i]) * (i * 97))
+    long_name = tmp_path / ("n" * 200)
+    long_name.mkdir()
+    (long_name / ("m" * 200)).write_bytes(b"long" * 300)
+    chunks = list(tar_chunks(tmp_path, size=size))
+    assert all(len(chunk) == size for chunk in chunks[:-1])
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+    assert files[f"{'n' * 200}/{'m' * 200}"] == b"long" * 300
+    assert all(files[f"f{i:02}"] == bytes([i]) * (i * 97) for i in range(12))
