@@ -37,7 +37,10 @@ from stockade.audit.stores import open_store
 from stockade.audit.verify import verify
 from stockade.policy.approval import ApprovalStore
 from stockade.runs.store import RunSummary, open_run_store
-from stockade.server.mcp_stdio import MAX_HELD_REQUESTS
+from stockade.server.mcp_cost import MAX_MESSAGE_COST, message_cost
+from stockade.server.mcp_face import MAX_MESSAGE_BYTES
+from stockade.server.mcp_http import MAX_BODIES_BYTES
+from stockade.server.mcp_stdio import MAX_HELD_BYTES, MAX_HELD_REQUESTS
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import REPO, Process, free_port
 
@@ -473,6 +476,30 @@ def test_a_stdio_client_that_reads_no_answers_is_read_no_further(project: Path) 
         wire.close()
 
 
+def test_a_stdio_client_that_reads_no_answers_holds_what_its_requests_take_parsed(project: Path) -> None:
+    """The bound counted bytes, and parsed a request of many small values takes ~30 times its
+    own: 4 MiB lines of ``[{},{},...]`` held 1.9 GB for 64 MiB of them. It counts what they
+    take parsed now: a few such requests fill it, long before 32 of them (as the old one let)."""
+    junk: list[dict[str, Any]] = [{}] * 100_000
+    listing = {"jsonrpc": "2.0", "id": 0, "method": "tools/list", "params": {"_meta": {"junk": junk}}}
+    line = json.dumps(listing).encode()
+    fill = -(-MAX_HELD_BYTES // message_cost(line))  # the requests that fill the bound
+    assert fill < MAX_HELD_REQUESTS / 4 and len(line) * MAX_HELD_REQUESTS < MAX_HELD_BYTES
+    # each answer is longer than the pipes take: one unread keeps the server's writer waiting
+    lists = [line.replace(b'"id": 0', f'"id": {rid}'.encode()) + b"\n" for rid in range(1, 41)]
+    wire = _Wire(project)
+    try:
+        wire.hello()
+        wire.unread()
+        taken = wire.send_unread(lists)
+        # a few more are in the pipes, the writer and the reader; the old server took 32 and more
+        assert taken <= fill + 5, taken
+        for rid in range(1, taken + 2):  # the one taken in part too
+            assert "tools" in wire.answer(rid)["result"]
+    finally:
+        wire.close()
+
+
 def test_over_stdio_a_clients_answer_to_its_approval_is_read_behind_its_requests(project: Path) -> None:
     """While the server waits for the client's answer to its elicitation, stdin is read past
     the bound: the answer may come behind more requests than the bound, which the client sent
@@ -616,6 +643,56 @@ def test_an_http_connection_that_sends_nothing_is_closed_within_the_head_timeout
             started = time.monotonic()
             assert sock.recv(1024) == b""  # closed by the server, nothing said
             assert time.monotonic() - started < 5
+
+
+def test_http_bodies_that_stall_are_cut_and_their_room_given_back(project: Path) -> None:
+    """Bodies had no deadline: 16 connections that each sent 4 MiB of a body and stalled held
+    every byte the server takes at once, and every other client was answered 503 until they
+    closed. A body past its deadline (here 1 s, then 100 MB/s) is answered 408, its connection
+    closed, and its bytes leave the bodies held: a client's ``initialize`` then gets in."""
+    with serving_http(project, "--body-timeout", "1", "--min-body-rate", "100000000") as server:
+        port = int(urllib.parse.urlsplit(server.url).port or 0)
+        head = (
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {server.token}\r\n"
+            f"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+            f"Content-Length: {MAX_MESSAGE_BYTES}\r\n\r\n"
+        ).encode()
+        stalled = []
+        try:
+            for _ in range(MAX_BODIES_BYTES // MAX_MESSAGE_BYTES):  # all but their last byte: the room
+                sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+                stalled.append(sock)
+                sock.sendall(head + b"x" * (MAX_MESSAGE_BYTES - 1))
+            for sock in stalled:
+                answer = b""
+                while chunk := sock.recv(65536):  # until the server closes it
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+            hello = {"protocolVersion": "2025-11-25", "capabilities": {},
+                     "clientInfo": {"name": "t", "version": "0"}}  # fmt: skip
+            headers = {
+                "Authorization": f"Bearer {server.token}",
+                "Accept": "application/json, text/event-stream",
+            }
+            initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello}
+            answered = httpx2.post(server.url, json=initialize, headers=headers, timeout=30)
+            assert answered.status_code == 200, answered.text
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+def test_an_http_body_of_too_many_values_is_refused_unparsed(http_server: HttpServer) -> None:
+    """4 MiB of ``[{},{},...]`` takes ~100 MiB parsed: a body that would take more than
+    ``MAX_MESSAGE_COST`` is answered 413 before the SDK parses it."""
+    junk = {"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"junk": [{}] * (MAX_MESSAGE_COST // 100)}}
+    headers = {
+        "Authorization": f"Bearer {http_server.token}",
+        "Accept": "application/json, text/event-stream",
+    }
+    refused = httpx2.post(http_server.url, json=junk, headers=headers, timeout=30)
+    assert refused.status_code == 413, refused.text
+    assert f"at most {MAX_MESSAGE_COST >> 20} MiB" in refused.json()["error"]["message"]
 
 
 def test_a_session_in_a_call_is_not_idle_however_long_the_call(project: Path) -> None:

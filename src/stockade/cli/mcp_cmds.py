@@ -120,6 +120,18 @@ def mcp(
             "opening, or its previous response); then it is closed",
         ),
     ] = 10.0,
+    body_timeout: Annotated[
+        float,
+        typer.Option(
+            "--body-timeout",
+            min=0.001,
+            help="http: seconds a request's body may take, plus its size at --min-body-rate; slower is 408",
+        ),
+    ] = 30.0,
+    min_body_rate: Annotated[
+        int,
+        typer.Option("--min-body-rate", min=1, help="http: bytes/s a body must come at after --body-timeout"),
+    ] = 64 * 1024,
     token_env: Annotated[
         str,
         typer.Option(
@@ -149,6 +161,7 @@ def mcp(
     checked(idle_timeout, "--idle-timeout")
     checked(approval_wait, "--approval-wait", zero=True)
     checked(max_wall, "--max-session-s")
+    checked(body_timeout, "--body-timeout")
     if spend_per_hour is not None:
         checked(spend_per_hour, "--dollars-per-hour")
     stamina.instrumentation.set_on_retry_hooks([])  # retries are in the audit trail; stdout is the protocol's
@@ -203,6 +216,7 @@ def mcp(
                 face, host=host, port=port, token=token, max_sessions=max_sessions,
                 allowed_origins=tuple(allow_origin or ()),
                 connections=ConnectionLimits(head_timeout_s=head_timeout),
+                body_timeout_s=body_timeout, min_body_rate=float(min_body_rate),
             ),
         )  # fmt: skip
     else:

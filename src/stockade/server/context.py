@@ -13,6 +13,7 @@ from stockade.audit.log import AuditLog
 from stockade.audit.stores import open_store
 from stockade.runtime.limits import LocalWindow, RateLimit, RedisWindow, Window
 from stockade.sandbox.snapshots import SnapshotStore
+from stockade.server.guard import BODY_TIMEOUT_S, MIN_BODY_RATE
 from stockade.server.tenants import Principal, Tenant, Tenants, TenantsFile
 
 __all__ = ["MAX_ATTEMPTS", "AuditLogs", "ServiceConfig", "TenantLimits", "gave_up"]
@@ -53,8 +54,8 @@ class ServiceConfig:
     # A request's body must come whole within ``body_timeout_s``, then at ``min_body_rate``
     # bytes a second (``server/guard.py``): 16 MiB within 286 s, 64 MiB within 1,054 s;
     # slower is 408 and the connection closed, so no client parks a body in the server's memory
-    body_timeout_s: float = 30.0
-    min_body_rate: float = 64 * 1024
+    body_timeout_s: float = BODY_TIMEOUT_S
+    min_body_rate: float = MIN_BODY_RATE
     sandbox_idle_timeout_s: float = 300.0
     max_sandbox_idle_timeout_s: float = 3600.0
     event_poll_s: float = 0.2

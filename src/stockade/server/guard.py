@@ -13,6 +13,9 @@ plus its size at ``min_rate`` bytes a second (a body that stalls, or trickles, i
 408 ``RequestTimeout`` and its connection closed). Once the body is whole, nothing is timed:
 a command's output streams as long as it runs.
 
+``BodyDeadline`` is that deadline alone, for an app that has no tenants (``stockade mcp``
+over HTTP, whose stalled bodies held its every client off).
+
 The request's head (its line and headers) is timed by the connection itself
 (``server/connections.py``): this ASGI layer sees a request only once its head came.
 
@@ -34,14 +37,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade.server import problems
-from stockade.server.deps import principal_of
 from stockade.server.held import CHUNK, HeldBytes
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
     from stockade.server.tenants import Tenant
 
-__all__ = ["RequestGuard", "needs_token"]
+__all__ = ["BODY_TIMEOUT_S", "MIN_BODY_RATE", "BodyDeadline", "RequestGuard", "needs_token"]
+
+# A body's deadline by default: within 30 s, then at 64 KiB a second (16 MiB within 286 s)
+BODY_TIMEOUT_S = 30.0
+MIN_BODY_RATE = 64 * 1024
 
 
 def needs_token(path: str) -> bool:
@@ -67,6 +73,8 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        from stockade.server.deps import principal_of  # FastAPI's: not loaded by BodyDeadline's users
+
         tenant: Tenant | None = None
         if needs_token(scope.get("path", "")):
             authorization = _header(scope, b"authorization")
@@ -85,6 +93,23 @@ class RequestGuard:
             await self.app(scope, body.receive, body.send)
         finally:
             body.give_back()
+
+
+class BodyDeadline:
+    """ASGI middleware: every request's body is timed, as ``RequestGuard`` times it (408 and
+    the connection closed past its deadline; the app then hears ``http.disconnect``)."""
+
+    def __init__(self, app: ASGIApp, *, grace_s: float, min_rate: float) -> None:
+        self.app = app
+        self.grace_s = grace_s
+        self.min_rate = min_rate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body = _TimedBody(receive, send, scope, self.grace_s, self.min_rate)
+        await self.app(scope, body.receive, body.send)
 
 
 class _TimedBody:

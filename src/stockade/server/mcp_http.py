@@ -19,6 +19,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
+from stockade.server.guard import BODY_TIMEOUT_S, MIN_BODY_RATE, BodyDeadline
+from stockade.server.mcp_cost import message_cost, too_costly
 from stockade.server.mcp_face import GONE, MAX_MESSAGE_BYTES, SESSION_HEADER, McpFace
 
 if TYPE_CHECKING:
@@ -35,14 +37,16 @@ _LOOPBACK_ORIGIN = re.compile(r"http://" + _LOOPBACK_HOST.pattern)
 
 # A bearer token shorter than this is refused: it guards running code on this machine.
 MIN_TOKEN_CHARS = 16
-# The bytes of the request bodies held at once, every connection's together: a body of up to
-# 4 MiB on each of the 1,000 connections allowed held 4 GB
+# The request bodies held at once, every connection's together, by their bytes as they come
+# and, once whole, what they take parsed (``message_cost``): a body of up to 4 MiB on each of
+# the 1,000 connections allowed held 4 GB
 MAX_BODIES_BYTES = 64 << 20
 
 
 def http_app(
     face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp", token: str | None = None,
     max_sessions: int = MAX_SESSIONS, allowed_origins: tuple[str, ...] = (),
+    body_timeout_s: float = BODY_TIMEOUT_S, min_body_rate: float = MIN_BODY_RATE,
 ) -> ASGIApp:  # fmt: skip
     """The streamable HTTP app: the SDK's, and the end of a session (``DELETE``) ends its run.
     With ``token``, every request must carry ``Authorization: Bearer <token>`` (401 otherwise).
@@ -54,6 +58,11 @@ def http_app(
     own (``http://127.0.0.1:PORT``, ``localhost``, ``[::1]``); there its ``Host`` must name this
     server too (421 otherwise), against DNS rebinding. MCP clients that are programs send no
     Origin. A ``DELETE`` ends the session's run only when the SDK ended the session (2xx).
+
+    A POST's body must come whole within ``body_timeout_s``, then at ``min_body_rate`` bytes a
+    second (``server/guard.py``): a slower one is answered 408, its connection closed, and its
+    bytes leave the bodies held (16 connections stalled 4 MiB each into them, and every other
+    client was answered 503 until they closed).
 
     The token is checked here, not with the SDK's bearer middleware: that one is the resource
     server of an OAuth authorization server (its metadata routes name an issuer), and a static
@@ -84,7 +93,9 @@ def http_app(
         if loopback
         else None,
     )
-    posted = _bodies_within(inner, MAX_BODIES_BYTES)
+    posted = BodyDeadline(
+        _bodies_within(inner, MAX_BODIES_BYTES), grace_s=body_timeout_s, min_rate=min_body_rate
+    )
     face.start_reaper()
     expected = None if token is None else f"bearer {token}".encode()
 
@@ -126,29 +137,43 @@ def http_app(
 
 def _bodies_within(app: ASGIApp, limit: int) -> ASGIApp:
     """``app``, given a request once its body is read, the bodies of the requests in ``app``
-    together at most ``limit`` bytes (each is held until its request is answered): one past
-    that is answered 503, with ``Retry-After``, before more of it is read. A body longer than
-    a message may be is passed on once that is read, for ``app`` to refuse (413)."""
+    together at most ``limit`` (each is held until its request is answered): its bytes as they
+    come, and once whole what it takes parsed. One past that is answered 503, with
+    ``Retry-After``, before more of it is read or it is parsed; one that alone would take more
+    than ``MAX_MESSAGE_COST`` parsed is answered 413. A body longer than a message may be is
+    passed on unread when it says so (``Content-Length``), else once that much is read, for
+    ``app`` to refuse (413). A request whose client left (or whose body was cut, past its
+    deadline) is not passed on: its bytes leave the total at once."""
     held = 0
 
     async def bounded(scope: Scope, receive: Receive, send: Send) -> None:
         nonlocal held
-        taken = 0
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_MESSAGE_BYTES:
+            await app(scope, receive, send)
+            return
+        size = taken = 0  # the body's bytes read; what is counted of it in ``held``
         read: list[Message] = []
         try:
             while True:
                 message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
                 read.append(message)
-                size = len(message.get("body", b""))
-                if held + size > limit:
+                more = len(message.get("body", b""))
+                size += more
+                whole = not message.get("more_body") or size > MAX_MESSAGE_BYTES
+                if whole and size <= MAX_MESSAGE_BYTES:  # the SDK parses it: what that takes
+                    cost = message_cost(b"".join(m.get("body", b"") for m in read))
+                    if (why := too_costly(cost)) is not None:
+                        await _too_costly(why)(scope, receive, send)
+                        return
+                    more += cost
+                if held + more > limit:
                     await _BUSY(scope, receive, send)
                     return
-                held, taken = held + size, taken + size
-                if (
-                    message["type"] != "http.request"
-                    or not message.get("more_body")
-                    or taken > MAX_MESSAGE_BYTES
-                ):
+                held, taken = held + more, taken + more
+                if whole:
                     break
             await app(scope, _replaying(read, receive), send)
         finally:
@@ -158,11 +183,11 @@ def _bodies_within(app: ASGIApp, limit: int) -> ASGIApp:
 
 
 def _replaying(read: list[Message], receive: Receive) -> Receive:
-    """``receive``, after the messages already ``read`` of it."""
-    left = list(read)
+    """``receive``, after the messages already ``read`` of it (taken from ``read``: once the
+    app has them, only its copy holds their bytes)."""
 
     async def replaying() -> Message:
-        return left.pop(0) if left else await receive()
+        return read.pop(0) if read else await receive()
 
     return replaying
 
@@ -197,6 +222,15 @@ _BUSY = JSONResponse(
     status_code=503,
     headers={"Retry-After": "1"},
 )
+
+
+def _too_costly(why: str) -> JSONResponse:
+    return JSONResponse(
+        {"jsonrpc": "2.0", "id": None, "error": {"code": types.INVALID_REQUEST, "message": why}},
+        status_code=413,
+    )
+
+
 _FOREIGN_PAGE = JSONResponse(
     {"error": "Forbidden", "detail": "a request from a web page whose origin is not allowed"}, status_code=403
 )
@@ -275,17 +309,22 @@ def _repeated(scope: Scope, names: tuple[bytes, ...]) -> bool:
 def serve_http(
     face: McpFace, *, host: str, port: int, token: str | None = None, log_level: str = "warning",
     max_sessions: int = MAX_SESSIONS, allowed_origins: tuple[str, ...] = (),
-    connections: ConnectionLimits | None = None,
+    connections: ConnectionLimits | None = None, body_timeout_s: float = BODY_TIMEOUT_S,
+    min_body_rate: float = MIN_BODY_RATE,
 ) -> None:  # fmt: skip
     """Serve ``face`` over streamable HTTP, its connections held as ``stockade serve``'s are
-    (a head timeout and a cap: idle sockets took every file descriptor of the API's process)."""
+    (a head timeout and a cap: idle sockets took every file descriptor of the API's process),
+    and its bodies timed as they are (``http_app``)."""
     import uvicorn
 
     from stockade.server.connections import ConnectionLimits, guarded_protocol
     from stockade.server.serving import log_config
 
     limits = (connections or ConnectionLimits()).fitted()
-    app = http_app(face, host=host, token=token, max_sessions=max_sessions, allowed_origins=allowed_origins)
+    app = http_app(
+        face, host=host, token=token, max_sessions=max_sessions, allowed_origins=allowed_origins,
+        body_timeout_s=body_timeout_s, min_body_rate=min_body_rate,
+    )  # fmt: skip
     uvicorn.run(
         app, host=host, port=port, log_level=log_level, log_config=log_config(),
         http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_s,

@@ -4,7 +4,7 @@ Apart from the protocol (``mcp_face``) and from HTTP (``mcp_http``): the SDK's s
 reads a line whole, so stdin reaches it through a bounded reader, on a descriptor of its own,
 waited on by the event loop so that a stop signal ends the wait; and it reads on whether or not
 its answers are taken, so what it hands the server is read only while few requests wait for
-their answers (``_InFlight``).
+their answers (``_InFlight``), counted by what they take parsed (``mcp_cost``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import mcp_types as types
 from mcp.shared.message import ServerMessageMetadata, SessionMessage
 
 from stockade import exceptions as exc
+from stockade.server.mcp_cost import message_cost, too_costly
 from stockade.server.mcp_face import MAX_MESSAGE_BYTES, McpFace
 
 __all__ = ["MAX_HELD_BYTES", "MAX_HELD_REQUESTS", "serve_stdio"]
 
-# Requests read from stdin and not answered yet, and their bytes: past either, stdin waits
+# Requests read from stdin and not answered yet, and what they take parsed (``message_cost``):
+# past either, stdin waits
 MAX_HELD_REQUESTS = 32
 MAX_HELD_BYTES = 64 << 20
 
@@ -37,11 +39,13 @@ async def serve_stdio(
     max_held_bytes: int = MAX_HELD_BYTES,
 ) -> None:  # fmt: skip
     """Serve the one client on this process's stdin/stdout until it closes them. A message (a
-    line) longer than ``max_message_bytes`` ends the session: ``RequestTooLarge`` once it has.
+    line) longer than ``max_message_bytes``, or that would take more than ``MAX_MESSAGE_COST``
+    parsed, ends the session: ``RequestTooLarge`` once it has.
 
-    Stdin is read while fewer than ``max_held_requests`` of the client's requests, and fewer
-    than ``max_held_bytes`` of them, wait for their answers (twice as many while the server
-    waits for the client's answer to a question of its own, which may come behind them)."""
+    Stdin is read while fewer than ``max_held_requests`` of the client's requests, taking
+    fewer than ``max_held_bytes`` parsed, wait for their answers (twice as many while the
+    server waits for the client's answer to a question of its own, which may come behind
+    them)."""
     from mcp.server.stdio import stdio_server
 
     with _claimed_stdin() as wire:
@@ -58,11 +62,10 @@ async def serve_stdio(
                 )
             finally:
                 sys.stdout = real
-    if bounded.too_long:
+    if bounded.refused is not None:
         # its answer could not be told apart from the message's next piece: the session ended
         raise exc.RequestTooLarge(
-            f"the client sent a message longer than {max_message_bytes} bytes: the session ended "
-            "(over HTTP such a message is answered 413)",
+            f"{bounded.refused}: the session ended (over HTTP such a message is answered 413)",
             limit=max_message_bytes, fix="send smaller messages (a large file in pieces)",
         )  # fmt: skip
 
@@ -74,18 +77,19 @@ class _InFlight:
     The SDK spawns a task per request as it reads it, and its transport reads on whatever the
     answers do: a client that sent requests and never read its answers grew the server by each
     one (2.4 GB after 787 requests of 3 MiB, 1.2 GB after 51,194 ``tools/list``) until the host
-    ran out. A request counts from its read until its answer is handed to the writer, or until
-    it settles unanswered (cancelled by the client); notifications and the client's answers to
-    the server's own requests are never held back. While the server waits for such an answer
-    (an elicitation asking for an approval), twice the bound is read: the answer may come
-    behind requests of the client's, and read no further it would not come at all (the call
-    waits its whole ``--approval-wait``, then is denied)."""
+    ran out. A request weighs what it takes parsed, not its bytes: 64 MiB of 4 MiB lines of
+    ``[{},{},...]`` held 1.9 GB. A request counts from its read until its answer is handed to
+    the writer, or until it settles unanswered (cancelled by the client); notifications and
+    the client's answers to the server's own requests are never held back. While the server
+    waits for such an answer (an elicitation asking for an approval), twice the bound is read:
+    the answer may come behind requests of the client's, and read no further it would not come
+    at all (the call waits its whole ``--approval-wait``, then is denied)."""
 
     def __init__(self, max_requests: int, max_bytes: int, *, sizes: collections.deque[int]) -> None:
         self._max_requests = max_requests
         self._max_bytes = max_bytes
-        self._sizes = sizes  # each line's bytes, in the order its message is read
-        self._held: dict[types.RequestId, list[int]] = {}  # by id: the bytes of each request
+        self._sizes = sizes  # each line's cost, in the order its message is read
+        self._held: dict[types.RequestId, list[int]] = {}  # by id: the cost of each request
         self._count = 0
         self._bytes = 0
         self._asked: set[types.RequestId] = set()  # the server's requests the client has to answer
@@ -216,8 +220,8 @@ class _Writing:
 
 
 class _BoundedLines:
-    """The lines of ``wire`` as text, each at most ``limit`` bytes; a longer one ends them
-    (``too_long`` says so).
+    """The lines of ``wire`` as text, each at most ``limit`` bytes and ``MAX_MESSAGE_COST``
+    parsed; one past either ends them (``refused`` says why), never handed to the parser.
 
     A pipe, socket or terminal is waited on by the event loop and read only once it has bytes,
     so a stop signal cancels the wait: a thread blocked in ``readline`` could not be cancelled,
@@ -230,8 +234,8 @@ class _BoundedLines:
         self._fd = _pollable(wire)
         self._buffer = bytearray()
         self._at_end = False
-        self.too_long = False
-        # the bytes of each line given, until its message is read (the transport makes one of each)
+        self.refused: str | None = None
+        # the cost of each line given, until its message is read (the transport makes one of each)
         self.sizes: collections.deque[int] = collections.deque()
 
     def __aiter__(self) -> _BoundedLines:
@@ -246,9 +250,13 @@ class _BoundedLines:
         if not line:
             raise StopAsyncIteration
         if len(line) > self._limit and not line.endswith(b"\n"):
-            self.too_long = True
+            self.refused = f"the client sent a message longer than {self._limit} bytes"
             raise StopAsyncIteration
-        self.sizes.append(len(line))
+        cost = message_cost(line)
+        self.refused = too_costly(cost)
+        if self.refused is not None:
+            raise StopAsyncIteration
+        self.sizes.append(cost)
         return line.decode("utf-8", errors="replace")
 
     async def _polled_line(self, fd: int) -> bytes:

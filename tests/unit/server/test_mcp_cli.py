@@ -87,6 +87,27 @@ def test_over_stdio_a_message_longer_than_http_takes_ends_the_session(tmp_path: 
     assert f"a message longer than {MAX_MESSAGE_BYTES} bytes: the session ended" in said, said
 
 
+def test_over_stdio_a_message_of_too_many_values_ends_the_session_unparsed(tmp_path: Path) -> None:
+    """Parsed, 4 MiB of ``[{},{},...]`` took 96 MiB (192 at its parse's peak), and the bounds
+    counted bytes: a client that read no answers held 16 such lines, 1.9 GB. A message that
+    would take more than ``MAX_MESSAGE_COST`` parsed is never parsed: the session ends, said."""
+    from stockade.server.mcp_cost import MAX_MESSAGE_COST, VALUE_BYTES
+
+    junk: list[dict[str, object]] = [{}] * (MAX_MESSAGE_COST // VALUE_BYTES)  # under 1.5 MiB of JSON
+    given = _messages(
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": HELLO},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 2, "method": "ping", "params": {"junk": junk}},
+        {"jsonrpc": "2.0", "id": 3, "method": "ping"},
+    )
+    result = serve_stdio(tmp_path, given)
+    assert result.exit_code == 1, result.stderr
+    answered = [json.loads(line)["id"] for line in result.stdout.splitlines()]
+    assert answered == [1], answered  # the old server answered the ping (and held it, unread)
+    said = " ".join(result.stderr.split())
+    assert f"at most {MAX_MESSAGE_COST >> 20} MiB: the session ended" in said, said
+
+
 def test_what_mcp_refuses_to_start_with(tmp_path: Path) -> None:
     (tmp_path / "policy.toml").write_text(POLICY)
     not_a_folder = runner.invoke(app, ["mcp", "--policy", str(tmp_path / "policy.toml"), "--workspace",
@@ -125,6 +146,7 @@ def test_http_beyond_this_machine_needs_a_token(tmp_path: Path, monkeypatch: pyt
         ["--dollars-per-hour", "inf"],
         ["--approval-wait", "nan"],
         ["--max-failures", "-3"],  # started, then every session failed
+        ["--transport", "http", "--body-timeout", "nan"],  # no body would ever be late
     ],
 )
 def test_mcp_refuses_numbers_that_are_no_limit(tmp_path: Path, given: list[str]) -> None:
@@ -171,7 +193,7 @@ def test_a_pipe_is_cut_into_lines_as_readline_cut_it() -> None:
 
                 group.start_soon(send)
                 got = [line async for line in bounded]
-            return got, bounded.too_long
+            return got, bounded.refused is not None
 
     got, too_long = anyio.run(lines)
     assert got == ["a\n", "b" * 9 + "\n", "\n"] and too_long

@@ -784,9 +784,16 @@ def test_over_http_a_session_the_sdk_let_go_holds_its_slot_until_its_run_ends(tm
 
 async def test_over_http_the_bodies_held_at_once_are_bounded_and_one_more_is_told_to_retry() -> None:
     """Each body was capped (4 MiB), not how many were held at once: on its 1,000 connections a
-    client had 4 GB held. One more than the server's budget is answered 503 with Retry-After,
-    before more of it is read; once a request is answered its bytes are free again."""
-    from stockade.server.mcp_http import _bodies_within
+    client had 4 GB held. A body counts its bytes as they come and, once whole, what it takes
+    parsed (``message_cost``: its bytes, and 128 a value). One more than the server's budget
+    is answered 503 with Retry-After, before more of it is read; once a request is answered
+    its bytes are free again."""
+    from stockade.server.mcp_cost import MAX_MESSAGE_COST
+    from stockade.server.mcp_face import MAX_MESSAGE_BYTES
+    from stockade.server.mcp_http import MAX_BODIES_BYTES, _bodies_within
+
+    # the largest body, and what it takes parsed at most, fit the budget alone (never a 503 for ever)
+    assert MAX_MESSAGE_BYTES + MAX_MESSAGE_COST <= MAX_BODIES_BYTES
 
     answered = anyio.Event()
     bodies: list[bytes] = []
@@ -800,7 +807,7 @@ async def test_over_http_the_bodies_held_at_once_are_bounded_and_one_more_is_tol
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    app = _bodies_within(inner, limit=1000)
+    app = _bodies_within(inner, limit=2000)
 
     async def post(pieces: int) -> tuple[int, dict[bytes, bytes], int]:
         """A body of ``pieces`` pieces of 200 bytes: its status, its headers, the pieces read."""
@@ -822,10 +829,10 @@ async def test_over_http_the_bodies_held_at_once_are_bounded_and_one_more_is_tol
         return said[0]["status"], dict(said[0]["headers"]), read
 
     async with anyio.create_task_group() as group:
-        group.start_soon(post, 3)  # 600 bytes, held until answered
+        group.start_soon(post, 3)  # 600 bytes and 728 parsed, held until answered
         await anyio.wait_all_tasks_blocked()
         status, headers, read = await post(3)
         assert (status, headers[b"retry-after"], read) == (503, b"1", 3)  # its third piece was one too many
         answered.set()
-    assert await post(5) == (200, {}, 5)  # the whole budget: free again
-    assert bodies == [b"x" * 600, b"x" * 1000]
+    assert await post(4) == (200, {}, 4)  # 800 and 928: the budget is free again
+    assert bodies == [b"x" * 600, b"x" * 800]
