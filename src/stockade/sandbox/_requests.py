@@ -311,6 +311,9 @@ def tar_chunks(
         header = info.tobuf(tar.format, tar.encoding, tar.errors)
         buf += header
         total += len(header)
+        # a header that filled the chunk is sent first: a read of the 0 bytes left of it was
+        # taken for a file that shrank (a folder of 6,000 small files failed to upload)
+        yield from _full_chunks(buf, size)
         if data is not None and info.isreg():
             with data:
                 left = info.size

@@ -16,6 +16,7 @@ import pytest
 from stockade import exceptions as exc
 from stockade.runs.seeds import pack_workspace
 from stockade.sandbox._archive_members import MAX_DEPTH
+from stockade.sandbox._requests import tar_chunks
 from stockade.sandbox.facade import tar_directory
 
 Nest = Callable[[Path, int], Path]
@@ -132,3 +133,16 @@ def test_a_socket_in_a_folder_is_left_out_of_every_archive(tmp_path: Path) -> No
         packed, _ = pack_folder(folder, tmp_path, cap=1 << 20, what="the folder")  # a download
         with packed, tarfile.open(fileobj=packed) as download:
             assert download.getnames() == ["kept.txt"]
+
+
+def test_a_file_whose_header_fills_a_chunk_is_sent(tmp_path: Path) -> None:
+    """A header that ended exactly at a chunk's end left 0 bytes to read of the file's chunk:
+    the read's b"" was taken for a file that shrank, and the upload failed (a folder of 6,000
+    small files, found from outside)."""
+    (tmp_path / "f.txt").write_text("x\n")
+    with tarfile.open(fileobj=io.BytesIO(tar_directory(tmp_path))) as tar:
+        header = tar.getmember("f.txt").offset_data  # its header's size, a pax one's included
+    chunks = list(tar_chunks(tmp_path, size=header))
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+        member = tar.extractfile("f.txt")
+        assert member is not None and member.read() == b"x\n"
