@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from stockade import exceptions as exc
+from stockade.sandbox._archive_members import MAX_DEPTH
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import GetArchive, PutArchive, ReadFile
 from stockade.types import EntryInfo, EntryType
@@ -72,7 +73,6 @@ MAX_WORKSPACE_BYTES = 256 * 1024 * 1024  # of file content, uncompressed
 MAX_WORKSPACE_ENTRIES = 50_000
 # what one run's versions add to the store, compressed: four whole workspaces of new content
 MAX_RUN_BYTES = 4 * MAX_WORKSPACE_BYTES
-MAX_DEPTH = 128
 _BATCH_BYTES = 8 * 1024 * 1024  # what one archive sent to the sandbox holds at most
 _ARCHIVE_FROM = 64  # files to read past which they come in one archive, not a request each
 

@@ -33,10 +33,12 @@ from collections import Counter
 from collections.abc import Callable
 
 from stockade.exceptions import BaselineTampered, BaselineUnreadable, SandboxFileNotFound
+from stockade.sandbox._archive_members import MAX_DEPTH
 from stockade.sandbox._channel import loads_bounded
+from stockade.sandbox._transfers import MAX_LIST_ENTRIES
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.deadline import checkpoint
-from stockade.types import EntryType
+from stockade.types import EntryInfo, EntryType
 
 __all__ = [
     "BASELINE",
@@ -72,13 +74,15 @@ IGNORED_DIRS = frozenset(
         ".eggs",
     }
 )
+# The most files a snapshot reads (a bound on its time, a read each): past it, a file is known
+# by its size, status change time and inode (``_PAST``), and a change to it is named, not shown.
 MAX_FILES = 5000
 MAX_TEXT_BYTES = 512 * 1024
 # Of text held by one snapshot, counted as its baseline's JSON (escapes included); past it, hashes.
 MAX_TEXT_TOTAL = 32 * 1024 * 1024
 # A baseline's JSON: the text, and a name and a hash marker a file. A baseline the run recorded
 # is read up to the size the host kept; this bounds one read without it (a caller's own).
-MAX_BASELINE_BYTES = MAX_TEXT_TOTAL + MAX_FILES * 1024
+MAX_BASELINE_BYTES = MAX_TEXT_TOTAL + MAX_LIST_ENTRIES * 1024
 # The most a baseline's JSON makes of text per byte of it (``protocol.text_bytes``): it is
 # ASCII (``record_baseline``), each byte at most one character, and one character past U+FFFF
 # (an escaped emoji, or a name not UTF-8) holds them all at four bytes. A text budget of its
@@ -88,14 +92,13 @@ _TEXT_PER_BYTE = 4
 # The JSON values a baseline holds at most (``json_values``' count): a file's name and text
 # with their ":" and ",", its mode's name, ":" and ",", and the name of what is neither file
 # nor folder with its ","; then its own keys. 3 a file refused one of 3,000 files (a mode is
-# three) and the diff showed every file as new.
-_BASELINE_VALUES = (4 + 3 + 2) * MAX_FILES + 16
+# three) and the diff showed every file as new. A listing holds at most ``MAX_LIST_ENTRIES``.
+_BASELINE_VALUES = (4 + 3 + 2) * MAX_LIST_ENTRIES + 16
 _PIECE = 1024 * 1024
 # Past this a file is known by its size, status change time and inode, not its hash: code can
 # set a file's mtime back, never its ctime, so a change is still seen (a copy of the workspace
 # elsewhere, a resume's, shows such a file as changed).
 MAX_HASH_BYTES = 1 << 30
-MAX_DEPTH = 64
 # The most the diff holds: past it, the files left are named, not shown (it is kept with the run).
 MAX_DIFF_BYTES = 8 * 1024 * 1024
 # The most a diff takes, reading included (a run out of wall time still gets one, this much
@@ -111,6 +114,15 @@ PAIR_TIME_S = 5.0  # the most one pair's difflib takes before it is shown coarse
 MAX_PAIR_WORK = 4_000_000
 _UNREAD = "\x00unread"  # a file not read before the deadline: neither changed nor unchanged
 _UNNAMED = "\x00unnamed"  # a file whose name is not UTF-8 (``EntryInfo.lossy``): no call can read it
+# A file past ``MAX_FILES``, not read: its size, status change time and inode (code can set a
+# file's mtime back, never its ctime); a tier that does not say its ctime leaves it unknown.
+_PAST = "\x00past:"
+_PAST_UNKNOWN = "\x00past"
+# The baseline's key for what its listing did not reach: the folders past ``MAX_DEPTH`` (as deep
+# as a workspace uploads, and the run store, take), and "" when the listing stopped at its cap.
+# A change there is in no snapshot: the diff names them, never leaves them out unsaid (a file 70
+# folders deep, and one past the 5,000th, were changed with no word said, found from outside).
+_UNLISTED = "\x00unlisted"
 # The baseline's key for its files' permission bits (no path holds a NUL): a chmod changes no
 # line, and a diff that showed none hid `chmod 4777 build.sh` from its reader (found from outside).
 _MODES = "\x00modes"
@@ -144,6 +156,7 @@ def snapshot(
     deadline: float | None = None,
     modes: dict[str, int] | None = None,
     others: list[str] | None = None,
+    unlisted: list[str] | None = None,
 ) -> dict[str, str]:
     """path -> text (or a hash marker for binary and large files), ignored folders left out;
     ``modes``, if given, is filled with each of those files' permission bits, ``others`` with
@@ -153,24 +166,29 @@ def snapshot(
     hard links to one text file of 512 KiB cost the sandbox 512 KiB, and were 2.5 GB here):
     past it, files are hashed a piece at a time, as large files are. Text is counted as the
     baseline's JSON holds it, escapes included. Past ``deadline`` (a ``time.monotonic()``
-    reading) no more files are read: they are listed as unread."""
+    reading) no more files are read: they are listed as unread. Past ``MAX_FILES`` files are
+    not read: each is held by its size, status change time and inode. ``unlisted``, if given,
+    is filled with what the listing did not reach (``_UNLISTED``)."""
     files: dict[str, str] = {}
-    room = MAX_TEXT_TOTAL
-    listing = list(sandbox.files.list("", depth=MAX_DEPTH))
+    room, read = MAX_TEXT_TOTAL, 0
+    listing = _listing(sandbox, unlisted)
     if others is not None:
         kinds = (EntryType.SYMLINK, EntryType.OTHER)
         found = (e.path for e in listing if e.type in kinds and not is_ignored(e.path) and _inside(e.path))
         others.extend(itertools.islice(found, MAX_FILES))
     # The files of text first, then the large ones (hashed a piece at a time): a few large
     # files spent the diff's time before the sources were read (found from outside).
-    for entry in sorted(listing, key=lambda e: e.size > MAX_TEXT_BYTES):
+    # By name within each: the same files fall past MAX_FILES in the baseline and now.
+    for entry in sorted(listing, key=lambda e: (e.size > MAX_TEXT_BYTES, e.path)):
         checkpoint()
         if entry.type != EntryType.FILE or is_ignored(entry.path) or not _inside(entry.path):
             continue
-        if len(files) >= MAX_FILES:
-            break
         if modes is not None:
             modes[entry.path] = entry.mode & 0o7777
+        if read >= MAX_FILES:
+            files[entry.path] = _past(entry)
+            continue
+        read += 1
         if entry.lossy:
             files[entry.path] = _UNNAMED
             continue
@@ -195,6 +213,25 @@ def snapshot(
                 room -= held
         files[entry.path] = content
     return files
+
+
+def _listing(sandbox: Sandbox, unlisted: list[str] | None) -> list[EntryInfo]:
+    """The workspace's entries, as deep as a workspace is taken; ``unlisted``, if given, is
+    filled with what the listing did not reach (``_UNLISTED``)."""
+    found = sandbox.files.list("", depth=MAX_DEPTH + 1)
+    if unlisted is not None:
+        deep = {e.path.rsplit("/", 1)[0] for e in found if e.path.count("/") >= MAX_DEPTH}
+        unlisted.extend(sorted(p for p in deep if not is_ignored(p) and _inside(p))[:MAX_FILES])
+        if found.truncated:
+            unlisted.append("")
+    return [e for e in found if e.path.count("/") < MAX_DEPTH]
+
+
+def _past(entry: EntryInfo) -> str:
+    """A file past ``MAX_FILES``: what its listing says of it, unread (a name not UTF-8 never is)."""
+    if entry.lossy:
+        return _UNNAMED
+    return f"{_PAST}{entry.size}:{entry.ctime_ns}:{entry.inode}" if entry.ctime_ns else _PAST_UNKNOWN
 
 
 def _content(sandbox: Sandbox, path: str, room: int, deadline: float | None = None) -> str:
@@ -231,8 +268,9 @@ def record_baseline(sandbox: Sandbox) -> str:
     the host to keep: the diff refuses any other file in its place."""
     modes: dict[str, int] = {}
     others: list[str] = []
-    files: dict[str, object] = {**snapshot(sandbox, modes=modes, others=others), _MODES: modes}
-    files[_OTHERS] = sorted(others)
+    unlisted: list[str] = []
+    found = snapshot(sandbox, modes=modes, others=others, unlisted=unlisted)
+    files: dict[str, object] = {**found, _MODES: modes, _OTHERS: sorted(others), _UNLISTED: unlisted}
     # a folder, not a link (which would lead where code may write) nor a file naming another
     files[_REPOSITORY] = any(
         e.path == ".git" and e.type == EntryType.DIR for e in sandbox.files.list("", depth=1)
@@ -244,8 +282,8 @@ def record_baseline(sandbox: Sandbox) -> str:
 
 class _Baseline:
     """What a baseline holds: the files, their modes, the paths of what was neither file nor
-    folder, and whether the workspace was a git repository (none of these but the files in a
-    baseline written before it kept them)."""
+    folder, what its listing did not reach (``_UNLISTED``), and whether the workspace was a git
+    repository (none of these but the files in a baseline written before it kept them)."""
 
     def __init__(self, data: dict[str, object]) -> None:
         kept = data.pop(_MODES, None)
@@ -254,6 +292,8 @@ class _Baseline:
         )
         listed = data.pop(_OTHERS, None)
         self.others = {str(p) for p in listed} if isinstance(listed, list) else set()
+        unreached = data.pop(_UNLISTED, None)
+        self.unlisted = {str(p) for p in unreached} if isinstance(unreached, list) else set()
         self.repository = data.pop(_REPOSITORY, None) is True
         self.files = {str(k): str(v) for k, v in data.items()}
 
@@ -328,13 +368,17 @@ def workspace_diff(
     before, modes_before = start.files, start.modes
     modes: dict[str, int] = {}
     others: list[str] = []
-    after = snapshot(sandbox, deadline=deadline, modes=modes, others=others)
+    unlisted: list[str] = []
+    after = snapshot(sandbox, deadline=deadline, modes=modes, others=others, unlisted=unlisted)
+    unreached = start.unlisted | set(unlisted)
     chunks: list[str] = []
     empties: list[str] = []  # after the others: git reads a `---` line after one as its own
     size = 0
     left_out: list[str] = []
     unshown: list[str] = []  # past the diff's size or time
     unnamed: list[str] = []  # names not UTF-8: neither read nor compared, named every time
+    unread: list[str] = []  # past MAX_FILES: changed by their stamps, not read
+    uncompared: list[str] = []  # past MAX_FILES on one side, or on a tier that gives no ctime
     for path in sorted(before.keys() | after.keys()):
         checkpoint()
         old, new = before.get(path), after.get(path)
@@ -343,6 +387,8 @@ def workspace_diff(
             continue
         if new == _UNREAD:
             unshown.append(path)
+            continue
+        if _beyond(path, old, new, unreached, out=(unread, uncompared)):
             continue
         if _same(old, new):
             continue
@@ -362,15 +408,7 @@ def workspace_diff(
         (empties if piece.startswith("diff --git ") else chunks).append(piece)
         size += len(piece)
     chunks += empties
-    changed_modes = [
-        f"{path} {modes_before[path]:04o} -> {modes[path]:04o}"
-        for path in sorted(modes_before.keys() & modes.keys())
-        if modes_before[path] != modes[path] and (keep is None or keep(path)) and _plain_name(path)
-    ]
-    if changed_modes:
-        more = f", and {len(changed_modes) - 100} more" if len(changed_modes) > 100 else ""
-        shown = ", ".join(changed_modes[:100])
-        chunks.append(f"Modes changed (a patch does not carry them): {shown}{more}\n")
+    chunks.extend(_modes_changed(modes_before, modes, keep))
     if left_out:
         why = (
             "the policy does not let the run write there, or the name holds control characters "
@@ -387,7 +425,74 @@ def workspace_diff(
     if unshown:
         why = f"over the diff's {MAX_DIFF_BYTES // 2**20} MiB or {time_s:g} s; not compared or not shown"
         chunks.append(f"Left out ({why}): {_names(unshown)}\n")
+    chunks.extend(_unreached(unread, uncompared, unreached))
     return "".join(chunks)
+
+
+def _modes_changed(
+    before: dict[str, int], now: dict[str, int], keep: Callable[[str], bool] | None
+) -> list[str]:
+    """The line naming the files whose permission bits changed (at most 100 of them), if any."""
+    changed = [
+        f"{path} {before[path]:04o} -> {now[path]:04o}"
+        for path in sorted(before.keys() & now.keys())
+        if before[path] != now[path] and (keep is None or keep(path)) and _plain_name(path)
+    ]
+    if not changed:
+        return []
+    more = f", and {len(changed) - 100} more" if len(changed) > 100 else ""
+    return [f"Modes changed (a patch does not carry them): {', '.join(changed[:100])}{more}\n"]
+
+
+def _is_past(content: str | None) -> bool:
+    return content is not None and content.startswith(_PAST_UNKNOWN)  # _PAST begins so too
+
+
+def _beyond(
+    path: str, old: str | None, new: str | None, unlisted: set[str], *, out: tuple[list[str], list[str]]
+) -> bool:
+    """Whether the diff's bounds kept a side of ``path`` from it. Missing on a side, in a folder
+    a listing did not reach: named with the folder. Past ``MAX_FILES`` on a side: put in
+    ``out``'s first (changed by its stamps, unread), or its second (not compared: a side was
+    read by content, or its tier gives no ctime); in neither when its stamps match."""
+    if (old is None or new is None) and _reached_by(path, unlisted):
+        return True
+    if not (_is_past(old) or _is_past(new)):
+        return False
+    if old != new or old == _PAST_UNKNOWN:
+        unread, uncompared = out
+        known = all(side is None or side.startswith(_PAST) for side in (old, new))
+        (unread if known else uncompared).append(path)
+    return True
+
+
+def _reached_by(path: str, unlisted: set[str]) -> bool:
+    """Whether ``path`` is in what a listing did not reach ("": the whole workspace)."""
+    return bool(unlisted) and ("" in unlisted or any(path.startswith(f"{d}/") for d in unlisted))
+
+
+def _unreached(unread: list[str], uncompared: list[str], unlisted: set[str]) -> list[str]:
+    """The "Left out" lines for what the diff's bounds kept it from reading or listing."""
+    out = []
+    if unread:
+        why = (
+            f"changed past the {MAX_FILES:,} files the diff reads: known by size, inode and status "
+            "change time, not read, so not shown (a resumed run's restore changes those too)"
+        )
+        out.append(f"Left out ({why}): {_names(unread)}\n")
+    if uncompared:
+        why = f"past the {MAX_FILES:,} files the diff reads, at the run's start or now; not compared"
+        out.append(f"Left out ({why}): {_names(uncompared)}\n")
+    deep = sorted(d for d in unlisted if d)
+    if deep:
+        why = f"folders more than {MAX_DEPTH} deep, past what a listing takes; nothing in them compared"
+        out.append(f"Left out ({why}): {_names(deep)}\n")
+    if "" in unlisted:
+        out.append(
+            f"Left out (the workspace held more than the {MAX_LIST_ENTRIES:,} entries a listing "
+            "carries, at the run's start or now: the files past them were not compared)\n"
+        )
+    return out
 
 
 def _plain_name(path: str) -> bool:

