@@ -24,8 +24,10 @@ from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.runner import Runner
 from stockade.server.state.approvals import DatabaseApprovals
+from stockade.server.state.kills import DatabaseKillSource
 from stockade.server.state.rows import WAITING
 from stockade.server.state.schema import open_database
+from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Tenant
 from stockade.types import MiB
 from tests.conftest import require_tier
@@ -341,22 +343,61 @@ class _KilledWhileKeepingArtifacts(Runner):
         super()._keep_artifacts(run_id, tenant, session)
 
 
-def test_a_kill_while_a_finished_run_keeps_its_artifacts_finds_it_held_by_its_worker(runner: Runner) -> None:
+def test_a_kill_while_a_finished_run_keeps_its_artifacts_finds_it_held_and_ends_it_killed(
+    runner: Runner,
+) -> None:
     """The agent's run released its lease as it returned: a kill then found the run "running"
     with no holder, ended it "killed" (its quota freed while its sandbox lived), and the
     runner then wrote "success" over it. The lease is kept to the end written: the kill is left
-    to the switch, and the run ends as it ended."""
+    to the switch, which the end written then finds pulled: "killed" (it was "success", the
+    kill answered "running")."""
     _submit(runner, "r1", ["done"])
     killing = _KilledWhileKeepingArtifacts(runner.config, name="worker-k")
     try:
-        assert killing.execute("r1", _acme(runner)).status == "success"
+        assert killing.execute("r1", _acme(runner)).status == "killed"
     finally:
         killing.close()
     assert killing.found_leased is True
     row = runner.store.run("r1")
-    assert row is not None and row.status == "success", row
+    assert row is not None and (row.status, row.error) == ("killed", "stop"), row
     assert runner.store.holds("acme") == []
     assert not runner.runs.leased("r1")  # released once the end was written
+    assert runner.kills.reason_now("r1") is None  # the switch went with the end
+
+
+class _PulledAsTheWatchBegins(DatabaseKillSource):
+    """The service's switches, one pulled (as ``POST /v1/runs/{id}/kill`` does, finding the run
+    "running") as a run's session begins to watch it, its sandbox started: just after this
+    worker's last read of the table for its runs (once a minute here)."""
+
+    def __init__(self, store: ServiceStore) -> None:
+        super().__init__(store, poll_s=60.0)
+        self.pulled = False
+
+    def mark_live(self, run_id: str, info: str) -> None:
+        super().mark_live(run_id, info)
+        if not self.pulled:
+            self.reason(run_id)  # the table as it was a moment ago
+            self.kill(run_id, "stop")
+            self.pulled = True
+
+
+def test_a_kill_as_a_resumed_run_starts_stops_it_before_its_approved_action(runner: Runner) -> None:
+    """Before, the switch's source answered from its read of the table for half a second: the
+    approved action ran, the run ended "success", and the kill had answered "running"."""
+    needs_approval = {"name": "run_code", "args": {"code": "rm -r nothing || echo RAN", "language": "bash"}}
+    _submit(runner, "r1", [needs_approval, "done"])
+    assert runner.execute("r1", _acme(runner)).status == "paused"
+    [request] = runner.approvals.pending("r1")
+    runner.approvals.decide("r1", request["id"], Choice.APPROVED, by="test")
+    assert runner.store.set_status("r1", "queued", only_from=("paused",))
+    runner.kills = killing = _PulledAsTheWatchBegins(runner.store)
+    outcome = runner.execute("r1", _acme(runner))
+    assert killing.pulled and outcome.status == "killed", outcome
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "killed", row
+    assert "run_code" not in _called(runner, "r1")  # the approved action never ran
+    assert runner.kills.reason_now("r1") is None
 
 
 class _EndedElsewhereWhileKeepingArtifacts(Runner):

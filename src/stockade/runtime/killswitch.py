@@ -88,6 +88,9 @@ def _checked(run_id: str) -> str:
 
 
 class KillSource(Protocol):
+    """Where a run's switch is pulled. A source whose ``reason`` answers from a cache of its
+    reads also has ``reason_now(run_id)``, read afresh: what ``KillSwitch.check`` asks."""
+
     def reason(self, run_id: str) -> str | None:
         """Why the run was killed, or None while it may go on."""
 
@@ -447,12 +450,15 @@ class KillSwitch:
             )
         )
 
-    def poll(self) -> bool:
-        """Look at every source once; pull the switch if one says so."""
+    def poll(self, *, fresh: bool = False) -> bool:
+        """Look at every source once; pull the switch if one says so. ``fresh``: a source that
+        answers from a cache of its reads (a service's database, read once per ``poll_s`` for
+        every run of its process) is asked afresh (its ``reason_now``)."""
         if self._reason is None:
             for source in self.sources:
+                ask = getattr(source, "reason_now", source.reason) if fresh else source.reason
                 try:
-                    reason = source.reason(self.run_id)
+                    reason = ask(self.run_id)
                 except Exception:  # an unreachable source must not kill the run, nor the watcher
                     continue
                 if reason is not None:
@@ -461,8 +467,10 @@ class KillSwitch:
         return self.killed
 
     def check(self) -> None:
-        """Between steps: raise ``RunKilled`` if the switch was pulled."""
-        if self.poll():
+        """Between steps (before each model call and each tool call): raise ``RunKilled`` if the
+        switch was pulled. The sources are asked afresh: a kill answered while the run resumed
+        was found only at the cache's next read, after a short run had made its calls and ended."""
+        if self.poll(fresh=True):
             raise self._error()
 
     def raise_if_pulled(self) -> None:

@@ -388,13 +388,14 @@ class Runner:
                 raise exc.RunDeferred(
                     f"run {run_id}: its approvals were decided while it paused; sent on", retry_after=0.5
                 )
-            return RunOutcome(run_id=run_id, status=status, error=asked)
-        # a kill pulled before the run watched its switch (queued): the switch is cleared with
-        # the session, so the service's own status keeps the word. Only over "running": a
-        # kill written meanwhile stands
-        if not self.store.set_status(run_id, status, error=result.error, only_from=("running",)):
-            return self._as_stored(run_id)
-        return RunOutcome(run_id=run_id, status=status, error=result.error)
+            return self._as_stored(run_id)  # "killed" when its switch was pulled meanwhile
+        # Only over "running": a kill written meanwhile stands. A switch pulled after the run's
+        # last look at it (its last step, its artifacts being kept) makes it "killed": a kill
+        # answered "running" is never followed by another end (it was "success").
+        self.store.set_status(
+            run_id, status, error=result.error, only_from=("running",), killed_if_pulled=True
+        )
+        return self._as_stored(run_id)
 
     def _conflict(self, run_id: str) -> RunOutcome:
         """The run store refused this delivery the run (``RunConflict``): another delivery

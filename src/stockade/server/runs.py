@@ -458,15 +458,19 @@ async def kill_run(run_id: str, request: Request, caller: Caller, body: KillRequ
             attributes={"reason": reason, "through": "api"},
         )  # fmt: skip
         # not running anywhere: it ends here, and the sandbox it kept while it waited goes (its
-        # snapshot_mb); running: its worker's switch sees the mark
+        # snapshot_mb); running: its worker's switch sees the mark before its next call, and the
+        # end (or pause) its worker writes is "killed" (``set_status(killed_if_pulled=...)``)
         if service.store.set_status(run_id, "killed", error=reason, only_from=WAITING):
             service.snapshots.release_runs(row.tenant, [run_id])
-        else:
-            service.kills.kill(run_id, reason)
+        elif service.kills.pull(run_id, reason):  # (not pulled: it ended meanwhile, as it says)
+            # paused or queued again meanwhile (its worker's last write before the switch): it
+            # ends where it waits, as above
+            if service.store.set_status(run_id, "killed", error=reason, only_from=WAITING):
+                service.snapshots.release_runs(row.tenant, [run_id])
             # "running" and no process holds its lease (taken before its sandbox starts): its
             # worker died, and it ends here too. Before, it answered "running", and ~25 s later
             # a worker started a fresh sandbox only to find the switch and end it "killed".
-            if not service.run_store.leased(run_id):
+            elif not service.run_store.leased(run_id):
                 service.store.set_status(run_id, "killed", error=reason, only_from=("running",))
         updated = service.store.run(run_id)
         assert updated is not None

@@ -11,7 +11,7 @@ import time
 from stockade import exceptions as exc
 from stockade.audit.redact import Redactor
 from stockade.policy.approval import SPENT, ApprovalRequest, Choice, keyed, not_pending, redacted
-from stockade.server.state.rows import as_int
+from stockade.server.state.rows import ENDED, as_int
 from stockade.server.state.store import ServiceStore
 
 
@@ -54,7 +54,11 @@ class DatabaseApprovals:
         )
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
+        """Record a decision for a pending request: ``RunConflict`` once its run has ended (a
+        kill that ended it between the API's look at the run and this write left a decision
+        accepted for nothing), ``ApprovalDecided`` once the request was decided."""
         where = "WHERE run_id = ? AND request_id = ?"
+        ended = f"SELECT status FROM {self.store.ns}_runs WHERE run_id = ? AND status IN {ENDED}"
         if self.db.write(
             [
                 (
@@ -62,7 +66,10 @@ class DatabaseApprovals:
                     [(choice.value, by, time.time_ns(), run_id, request_id)],
                 )
             ],
-            require=(f"SELECT 1 FROM {self.table} {where} AND status = 'pending'", (run_id, request_id)),
+            require=(
+                f"SELECT 1 FROM {self.table} {where} AND status = 'pending' AND NOT EXISTS ({ended})",
+                (run_id, request_id, run_id),
+            ),
         ):
             return
         rows = self.db.query(f"SELECT status FROM {self.table} {where}", (run_id, request_id))
@@ -70,6 +77,8 @@ class DatabaseApprovals:
             raise exc.ResourceNotFound(
                 f"no approval request {request_id!r} for run {run_id!r}", kind="approval", id=request_id
             )
+        if str(rows[0][0]) == "pending" and (run := self.db.query(ended, (run_id,))):
+            raise exc.RunConflict(f"run {run_id!r} ended ({run[0][0]}): its requests wait for no decision")
         raise not_pending(run_id, request_id, str(rows[0][0]))
 
     def decision(self, request: ApprovalRequest) -> Choice | None:

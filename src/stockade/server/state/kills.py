@@ -12,7 +12,7 @@ import threading
 import time
 
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
-from stockade.server.state.rows import WAITING, as_int
+from stockade.server.state.rows import ENDED, WAITING, as_int
 from stockade.server.state.schema import open_database
 from stockade.server.state.store import ServiceStore
 
@@ -45,19 +45,42 @@ class DatabaseKillSource:
                 self._read_at = time.monotonic()
             return self._pulled.get(run_id)
 
+    def reason_now(self, run_id: str) -> str | None:
+        """``reason`` read now, not from the last read of the table (``KillSwitch.check``)."""
+        rows = self.db.query(f"SELECT reason FROM {self.kills} WHERE run_id = ?", (run_id,))
+        return str(rows[0][0]) if rows else None
+
     def kill(self, run_id: str, reason: str) -> None:
-        self.db.write(
-            [
-                (
-                    f"INSERT INTO {self.kills} VALUES (?, ?, ?) "
-                    "ON CONFLICT (run_id) DO UPDATE SET reason = excluded.reason",
-                    [(run_id, reason or "killed", time.time_ns())],
-                )
-            ]
+        self.pull(run_id, reason)
+
+    def pull(self, run_id: str, reason: str) -> bool:
+        """Pull the run's switch; False when it is a run of the service that has ended. Written
+        with the run's row locked, as its worker writes its end (``ServiceStore.set_status``,
+        ``killed_if_pulled``): that end finds this switch and ends the run "killed", or this
+        finds the end and pulls nothing. (A kill answered "running" then saw the run end
+        "success".) A run the service does not have (a local one watching its database) is
+        pulled all the same."""
+        row = (
+            f"INSERT INTO {self.kills} VALUES (?, ?, ?) "
+            "ON CONFLICT (run_id) DO UPDATE SET reason = excluded.reason",
+            [(run_id, reason or "killed", time.time_ns())],
         )
+        runs = f"SELECT 1 FROM {self.store.ns}_runs WHERE run_id = ?"
+        if self.db.write([row], require=(f"{runs} AND status NOT IN {ENDED}", [run_id])):
+            return True
+        if self.db.query(runs, (run_id,)):
+            return False
+        self.db.write([row])
+        return True
 
     def clear(self, run_id: str) -> None:
-        self.db.write([(f"DELETE FROM {self.kills} WHERE run_id = ?", [(run_id,)])])
+        """A run's watch is over. The switch of a run of the service that has not ended stays:
+        the end its worker writes next turns "killed" by it (a kill that came as the run's last
+        step ended was lost with the watch), and its end goes with it (``set_status``)."""
+        open_run = f"SELECT 1 FROM {self.store.ns}_runs WHERE run_id = ? AND status NOT IN {ENDED}"
+        self.db.write(
+            [(f"DELETE FROM {self.kills} WHERE run_id = ? AND NOT EXISTS ({open_run})", [(run_id, run_id)])]
+        )
         with self._lock:
             self._pulled.pop(run_id, None)
 

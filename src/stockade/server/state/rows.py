@@ -20,6 +20,7 @@ STARTABLE = ("queued", "interrupted", "running")
 HELD = frozenset({"paused", "broken"})
 TERMINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
 ACTIVE = "('queued', 'running', 'interrupted')"  # what a tenant's runs quota counts (SQL)
+ENDED = f"({', '.join(repr(status) for status in sorted(TERMINAL))})"  # TERMINAL (SQL)
 
 
 @dataclass(frozen=True, kw_only=True)

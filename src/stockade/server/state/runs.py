@@ -210,14 +210,18 @@ class RunTables(StorageTables):
         self, run_id: str, status: str, *, error: str | None = None, worker: str | None = None,
         started: bool = False, only_from: Sequence[str] | None = None,
         within: tuple[str, int] | None = None, wake_s: float | None = None,
-        require: tuple[str, list[object]] | None = None,
+        require: tuple[str, list[object]] | None = None, killed_if_pulled: bool = False,
     ) -> bool:  # fmt: skip
         """Move a run to ``status`` (only from one of ``only_from`` when given; with ``within``,
         a tenant and its runs quota, only while that tenant has fewer runs queued or running, in
         the same statement); False when it was not in one of them, or the tenant had none to
         spare. ``wake_s``, for a run queued: its wake, that long on, written with it (a run
         sent on from paused or broken had none, and its send may fail or never come).
-        ``require``: instead of ``only_from`` and ``within``, a row the move needs (locked)."""
+        ``require``: instead of ``only_from`` and ``within``, a row the move needs (locked).
+        ``killed_if_pulled``: where its worker leaves the run (ended, paused), "killed" instead
+        when its kill switch is pulled (``DatabaseKillSource.pull``, which locks the row too):
+        a kill answered while the run ran ends it killed, however late in its run it came. A
+        run that ends takes its switch with it."""
         now = time.time_ns()
         sets = ["status = ?", "error = ?"]
         params: list[object] = [status, error]
@@ -260,6 +264,7 @@ class RunTables(StorageTables):
             statements.append((f"DELETE FROM {self.ns}_wakes WHERE run_id = ?", [(run_id,)]))
         elif wake_s is not None:
             statements.append(wake_statement(self.ns, run_id, now + int(wake_s * 1e9)))
+        statements += self._switch(run_id, status, now, killed_if_pulled=killed_if_pulled)
         if status != "running" and self._measure is not None:
             # stopped: what it wrote to the run store counts against its tenant's storage_mb
             rows, ids = self._measure
@@ -267,6 +272,21 @@ class RunTables(StorageTables):
                 (f"UPDATE {self.ns}_run_bytes SET store = {rows} WHERE run_id = ?", [(run_id,) * (ids + 1)])
             )
         return self.db.write(statements, require=require)
+
+    def _switch(self, run_id: str, status: str, now: int, *, killed_if_pulled: bool) -> list[Statement]:
+        """What a move does to the run's kill switch: ``killed_if_pulled``, the run "killed" for
+        the reason it gives; a run that ends (or was left where it waits) takes it with it."""
+        switch = f"FROM {self.ns}_kills WHERE run_id = ?"
+        statements: list[Statement] = []
+        if killed_if_pulled:
+            statements.append((
+                f"UPDATE {self.ns}_runs SET status = 'killed', error = (SELECT reason {switch}), "
+                f"finished_ns = ? WHERE run_id = ? AND EXISTS (SELECT 1 {switch})",
+                [(run_id, now, run_id, run_id)],
+            ))  # fmt: skip
+        if status in TERMINAL or killed_if_pulled:  # acted upon, or too late to matter
+            statements.append((f"DELETE {switch}", [(run_id,)]))
+        return statements
 
     def pause(self, run_id: str, *, error: str | None) -> bool:
         """The run stopped at an approval: "paused" while one of its requests is pending (True).
@@ -276,7 +296,7 @@ class RunTables(StorageTables):
         check (``FOR UPDATE``): a decision racing it waits for "paused", then sends the run."""
         approvals = f"{self.ns}_approvals"
         if self.set_status(
-            run_id, "paused", error=error,
+            run_id, "paused", error=error, killed_if_pulled=True,
             require=(f"SELECT 1 FROM {approvals} WHERE run_id = ? AND status = 'pending'", [run_id]),
         ):  # fmt: skip
             return True
