@@ -21,6 +21,7 @@ from stockade.cli._signals import Interrupted, held, interruptible, signal_name
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry
+from stockade.server.body_limits import BODY_TIMEOUT_S, MIN_BODY_RATE
 from stockade.types import Trust
 
 if TYPE_CHECKING:
@@ -127,11 +128,11 @@ def mcp(
             min=0.001,
             help="http: seconds a request's body may take, plus its size at --min-body-rate; slower is 408",
         ),
-    ] = 30.0,
+    ] = BODY_TIMEOUT_S,
     min_body_rate: Annotated[
         int,
         typer.Option("--min-body-rate", min=1, help="http: bytes/s a body must come at after --body-timeout"),
-    ] = 64 * 1024,
+    ] = MIN_BODY_RATE,
     token_env: Annotated[
         str,
         typer.Option(

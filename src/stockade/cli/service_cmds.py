@@ -14,6 +14,7 @@ from stockade import exceptions as exc
 from stockade._config_file import audit_key, read_config_text
 from stockade._state import sqlite_path
 from stockade.cli._console import CliConsole, escape, print_json
+from stockade.server.body_limits import BODY_TIMEOUT_S, MIN_BODY_RATE
 
 if TYPE_CHECKING:
     from stockade.server.state.store import ServiceStore
@@ -135,11 +136,11 @@ def serve(
             "--body-timeout", min=0.001,
             help="seconds a request's body may take, plus its size at --min-body-rate; slower is 408",
         ),
-    ] = 30.0,
+    ] = BODY_TIMEOUT_S,
     min_body_rate: Annotated[
         int,
         typer.Option("--min-body-rate", min=1, help="bytes/s a body must come at after --body-timeout"),
-    ] = 64 * 1024,
+    ] = MIN_BODY_RATE,
     docs: Annotated[
         bool,
         typer.Option(

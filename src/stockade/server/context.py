@@ -13,7 +13,7 @@ from stockade.audit.log import AuditLog
 from stockade.audit.stores import open_store
 from stockade.runtime.limits import LocalWindow, RateLimit, RedisWindow, Window
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.server.guard import BODY_TIMEOUT_S, MIN_BODY_RATE
+from stockade.server.body_limits import BODY_TIMEOUT_S, MIN_BODY_RATE
 from stockade.server.tenants import Principal, Tenant, Tenants, TenantsFile
 
 __all__ = ["MAX_ATTEMPTS", "AuditLogs", "ServiceConfig", "TenantLimits", "gave_up"]

@@ -43,11 +43,7 @@ if TYPE_CHECKING:
     from stockade.server.service import Service
     from stockade.server.tenants import Tenant
 
-__all__ = ["BODY_TIMEOUT_S", "MIN_BODY_RATE", "BodyDeadline", "RequestGuard", "needs_token"]
-
-# A body's deadline by default: within 30 s, then at 64 KiB a second (16 MiB within 286 s)
-BODY_TIMEOUT_S = 30.0
-MIN_BODY_RATE = 64 * 1024
+__all__ = ["BodyDeadline", "RequestGuard", "needs_token"]
 
 
 def needs_token(path: str) -> bool:

@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
-from stockade.server.guard import BODY_TIMEOUT_S, MIN_BODY_RATE, BodyDeadline
+from stockade.server.body_limits import BODY_TIMEOUT_S, MIN_BODY_RATE
+from stockade.server.guard import BodyDeadline
 from stockade.server.mcp_cost import message_cost, too_costly
 from stockade.server.mcp_face import GONE, MAX_MESSAGE_BYTES, SESSION_HEADER, McpFace
 
