@@ -95,7 +95,7 @@ StepSource = Callable[[], int]
 # while no call ran, handed over with it, then its own): each frame keeps to MAX_EXEC_RECORDS
 # and MAX_EXEC_REPORT, and together they made 1,299 KiB of events for a call, not the 768 KiB
 # the README says. Past it counted (an ``omitted`` event). As in the sandbox's own report
-# (supervisor/rules.py), the execs the rules let run take at most the first share, so that a
+# (supervisor/execrecords.py), the execs the rules let run take at most the first share, so that a
 # loop of ``true`` cannot push a denied ``rm -r`` out.
 EXEC_EVENTS = MAX_EXEC_RECORDS
 EXEC_BYTES = MAX_EXEC_REPORT
@@ -143,7 +143,7 @@ def program_text(runner: str, program: str) -> str:
     return ShellText(program) if runner.rsplit("/", 1)[-1] in _SHELLS else CodeText(program)
 
 
-# How the sandbox ends a word of an exec it cut (``supervisor.rules.kept_argv``): its head, then this.
+# How the sandbox ends a word of an exec it cut (``supervisor.execrecords.kept_argv``): its head, then this.
 _WORD_CUT = re.compile(r"\[\.\.\. [0-9]+ more characters; the word is sha256 [0-9a-f]{64}\]\Z")
 
 

@@ -1,6 +1,6 @@
 """The host's end of the microVM's egress port: streams over one virtio-serial port.
 
-The guest has no network device; its relay (``supervisor/egress.py``, ``MuxRelay``) carries
+The guest has no network device; its relay (``supervisor/egressmux.py``, ``MuxRelay``) carries
 each connection to its loopback port 3128 as a stream over a virtio-serial port of its own,
 whose host end is one half of a socketpair given to QEMU. Here each stream becomes one
 connection to the sandbox's proxy socket, like the other tiers' connections. The frames

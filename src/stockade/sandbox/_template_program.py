@@ -98,7 +98,9 @@ def load() -> None:
     # against a start without a policy); here once, and shared. (judge.c's library loaded
     # here too saved nothing that showed.)
     import confine  # type: ignore[import-not-found]  # noqa: F401
+    import execrecords  # type: ignore[import-not-found]  # noqa: F401
     import execrules  # type: ignore[import-not-found]  # noqa: F401
+    import fastjudge  # type: ignore[import-not-found]  # noqa: F401
     import rules  # type: ignore[import-not-found]  # noqa: F401
     import rulespy  # type: ignore[import-not-found]  # noqa: F401
 

@@ -104,7 +104,7 @@ def test_a_secret_shaped_like_a_credential_is_held_back_from_its_start() -> None
 
 
 def test_a_word_the_sandbox_cut_keeps_its_mark_and_no_head() -> None:
-    """What the sandbox reports of an over-long exec word (``supervisor.rules.kept_argv``)."""
+    """What the sandbox reports of an over-long exec word (``supervisor.execrecords.kept_argv``)."""
     mark = "[... 17 more characters; the word is sha256 " + "ab" * 32 + "]"
     word = "B" * 4072 + " ghp_" + "C" * 19 + mark
     out = exec_word(Redactor(), word)

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.unit.sandbox.supervisor_modules import supervisor_module
+
 # the supervisor's modules are untyped (they run on the sandbox's python): used as Any here
 egress: Any = importlib.import_module("stockade.sandbox.supervisor.egress")
 
@@ -252,7 +254,8 @@ def test_streams_over_the_port_carry_megabytes_both_ways_intact(tmp_path: Path) 
         _loop.call(_start(mux))
         poller = Poller()
         port = _free_port()
-        relay = egress.MuxRelay(poller, {"fd": guest_end.fileno(), "listen": port})
+        # egressmux builds on egress's listener, by bare name as in the sandbox
+        relay = supervisor_module("egressmux").MuxRelay(poller, {"fd": guest_end.fileno(), "listen": port})
         received = bytearray()
 
         def client() -> None:

@@ -55,13 +55,13 @@ def judges() -> Iterator[tuple[Any, Any]]:
     fast.restype = ctypes.c_int
     sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
     try:
-        yield fast, (importlib.import_module("rules"), importlib.import_module("execjudge"))
+        yield fast, (importlib.import_module("fastjudge"), importlib.import_module("execjudge"))
     finally:
         sys.path.remove(str(SUPERVISOR))
 
 
 def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tuple[int, tuple[str, Any]]:
-    fast, (rules_module, execjudge) = judges
+    fast, (fastjudge, execjudge) = judges
     commands = case["rules"]
     sizes = importlib.import_module("rulespy").program_sizes(commands)
     folder = workdir / "bin"
@@ -83,7 +83,7 @@ def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tup
     programs = {execrules.pattern(words)[0] for words in commands["allow"] if words}
     listed, _ = execrules.allowlisted(programs, "", os.path.realpath, (str(folder),))
     judge = execjudge.ExecJudge(None, commands, sizes, listed=listed)
-    config = rules_module.judge_config(commands, (), listed)
+    config = fastjudge.judge_config(commands, (), listed)
     st = real.stat()
     said = fast(
         config, len(config), path.name.encode(), real.name.encode(),
@@ -199,7 +199,7 @@ def test_under_an_allowlist_a_file_is_allowed_by_what_it_is_not_by_its_name(
     """A link the code made, named as a listed program (pip3), to an unlisted file (python3,
     which Landlock lets run for pip3's script) is refused by both judges; a listed file runs
     by any name (a venv's python), answered by judge.c."""
-    fast, (rules_module, execjudge) = judges
+    fast, (fastjudge, execjudge) = judges
     programs, elsewhere = tmp_path / "bin", tmp_path / "tmp"
     programs.mkdir()
     elsewhere.mkdir()
@@ -209,7 +209,7 @@ def test_under_an_allowlist_a_file_is_allowed_by_what_it_is_not_by_its_name(
     execrules = importlib.import_module("execrules")
     listed, _ = execrules.allowlisted({"pip3"}, "", os.path.realpath, (str(programs),))
     judge = execjudge.ExecJudge(None, commands, {}, listed=listed)
-    config = rules_module.judge_config(commands, (), listed)
+    config = fastjudge.judge_config(commands, (), listed)
     for target, verdict in (
         (programs / "python3", ("deny", "commands.allow")),
         (programs / "pip3", ("allow", None)),
@@ -470,7 +470,7 @@ def test_a_file_listed_by_another_programs_command_is_answered_by_judge_c_only_a
     """git's file listed as git-status alone (a rule of one word whose glob names that) runs
     as the command its argv[0] gives it: `git-status x` is `git status x`, which a rule over
     git-status's name is not. judge.c let it run by the name it was listed by."""
-    fast, (rules_module, execjudge) = judges
+    fast, (fastjudge, execjudge) = judges
     programs = tmp_path / "bin"
     programs.mkdir()
     (programs / "git").write_bytes(b"\x7fELF, git\n")
@@ -479,7 +479,7 @@ def test_a_file_listed_by_another_programs_command_is_answered_by_judge_c_only_a
     execrules = importlib.import_module("execrules")
     listed, _ = execrules.allowlisted(set(allow), "", os.path.realpath, (str(programs),))
     judge = execjudge.ExecJudge(None, commands, {}, listed=listed)
-    config = rules_module.judge_config(commands, (), listed)
+    config = fastjudge.judge_config(commands, (), listed)
     st = (programs / "git").stat()
     for argv in (["git-status", "x"], ["git", "init"]):
         names = (b"git-status", b"git", argv[0].encode())

@@ -73,3 +73,19 @@ def test_a_sandbox_start_loads_the_supervisors_modules_it_needs_and_no_more() ->
         "zygote",
     }
     assert "reset.py" in sources()  # shipped all the same
+
+
+def test_the_rules_and_the_relay_load_their_own_modules_where_used() -> None:
+    # The rules' set-up builds on the compiled judge's layer (fastjudge) and keeps its records
+    # as the Python judge does (execrecords): a start under rules loads both, and the Python
+    # judge's modules only at the first exec that reaches it (rulespy, execjudge). The relay of
+    # a socket bound in loads nothing of ours; the microVM's (egressmux) only where asked.
+    siblings = {n.removesuffix(".py") for n in MODULES}
+    assert _imported_at_start("rules", siblings - {"rules"}) == {
+        "execrecords",
+        "fastjudge",
+        "protocol",
+        "reaper",
+    }
+    assert _imported_at_start("egress", siblings - {"egress"}) == set()
+    assert _imported_at_start("egressmux", siblings - {"egressmux"}) == {"egress"}

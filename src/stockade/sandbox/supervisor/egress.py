@@ -3,7 +3,7 @@
 The sandbox has no network but its own loopback. The relay listens there (127.0.0.1:3128,
 where HTTP_PROXY points) and carries each connection, byte for byte, to the proxy on the
 host: a Unix socket the tier binds into the sandbox (``Relay``), or, in the microVM, streams
-over a virtio-serial port of its own (``MuxRelay``). It decides nothing (the proxy does),
+over a virtio-serial port of its own (``egressmux.MuxRelay``). It decides nothing (the proxy does),
 so code that connects to the socket itself, or kills nothing (the supervisor is init and
 ignores signals), gains nothing.
 
@@ -25,7 +25,6 @@ Stdlib only, any python >= 3.8, like the rest of this folder.
 """
 
 import errno
-import io
 import os
 import resource
 import select
@@ -42,7 +41,7 @@ WARM_MAX_AGE_S = 20.0  # well inside the proxy's 30 s for a connection's first r
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 
 
-def _max_pairs(wanted):
+def max_pairs(wanted):
     """Pairs at once (a pair is two descriptors): ``wanted``, or fewer where the
     supervisor's descriptors are fewer than the host sized them for, ``OWN_FILES`` kept."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -107,7 +106,7 @@ def _quiet(sock):
     return False  # closed (nothing but EOF) or answered
 
 
-class _Listening:
+class Listening:
     """What both relays share: the socket on the sandbox's loopback (where HTTP_PROXY
     points), out of the poller while the relay is full (``_full``: what code connects
     meanwhile waits in the backlog) and back in once a connection ends."""
@@ -162,7 +161,7 @@ class _Listening:
             pass
 
 
-class Relay(_Listening):
+class Relay(Listening):
     """Listens on the sandbox's loopback; each connection goes to the host's socket."""
 
     def __init__(self, sel, config):
@@ -171,7 +170,7 @@ class Relay(_Listening):
         self.ends = {}
         self.warm = max(0, int(config.get("warm", 0)))
         self.idle = {}  # fd -> (socket, when connected): warm connections not yet given out
-        self.max_pairs = _max_pairs(int(config.get("pairs", MAX_PAIRS)))
+        self.max_pairs = max_pairs(int(config.get("pairs", MAX_PAIRS)))
         self._refill()
 
     def on_event(self, fd, events):
@@ -360,268 +359,15 @@ class Relay(_Listening):
         self.spare.close()
 
 
-# -- the microVM: every connection over one virtio-serial port ------------------------------
-#
-# A frame is a 9-byte header (type, stream id: 4 bytes, length: 4 bytes, big-endian) and
-# its payload. The guest opens streams; each side may have WINDOW bytes of a stream in
-# flight and returns credit (ACK) as it delivers them, so neither side ever holds more
-# than WINDOW per stream. HELLO (a fresh relay, after a reset) drops every stream.
-OPEN, DATA, EOF, CLOSE, ACK, HELLO = 1, 2, 3, 4, 5, 6
-WINDOW = 256 * 1024
-HEADER = 9
-PORT_HIGH = 1024 * 1024  # stop reading the code's sockets while this much waits for the port
-PORT_READ = 256 * 1024  # the port is read into one buffer of this size
-MUX_STREAMS = 64
-
-
-def frame(kind, sid, payload=b""):
-    return bytes((kind,)) + sid.to_bytes(4, "big") + len(payload).to_bytes(4, "big") + payload
-
-
-class _Stream:
-    __slots__ = ("credit", "delivered", "eof_host", "eof_in", "events", "out", "sid", "sock")
-
-    def __init__(self, sid, sock):
-        self.sid = sid
-        self.sock = sock
-        self.out = bytearray()  # from the host, waiting for the code's socket
-        self.credit = WINDOW  # what we may still send the host
-        self.delivered = 0  # written to the code's socket since our last ACK
-        self.eof_in = False
-        self.eof_host = False
-        self.events = 0
-
-
-class MuxRelay(_Listening):
-    """Listens on the sandbox's loopback; every connection is a stream over one port."""
-
-    def __init__(self, sel, config):
-        super().__init__(sel, config)
-        self.port = int(config["fd"])
-        os.set_blocking(self.port, False)
-        self.port_out = bytearray()
-        self.port_in = bytearray()
-        self.port_file = io.FileIO(self.port, "r", closefd=False)
-        self.port_buf = memoryview(bytearray(PORT_READ))
-        self.port_events = IN
-        self.streams = {}  # sid -> _Stream
-        self.by_fd = {}
-        self.next_sid = 1
-        self.max_streams = min(MUX_STREAMS, 2 * _max_pairs(MUX_STREAMS))  # a stream is one
-        sel.register(self.port, IN, ("egress", self))
-        self._send(frame(HELLO, 0))
-
-    def renew(self):
-        """For the next user (a reset in place): every stream of the last user's code
-        dropped, here and (HELLO) on the host, and its connections not yet accepted closed.
-        What the host still sends for them is dropped as it comes (no stream has its id);
-        the port's byte stream itself goes on where it was."""
-        for stream in list(self.streams.values()):
-            self._drop(stream, tell=False)
-        self._relisten()
-        self._send(frame(HELLO, 0))
-
-    # -- events ----------------------------------------------------------------------------
-
-    def on_event(self, fd, events):
-        if fd == self.listener.fileno():
-            self._accept()
-        elif fd == self.port:
-            if events & OUT:
-                self._flush_port()
-            if events & (IN | select.EPOLLHUP | select.EPOLLERR):
-                self._read_port()
-        else:
-            stream = self.by_fd.get(fd)
-            if stream is not None:
-                try:
-                    if events & OUT:
-                        self._flush(stream)
-                    if events & (IN | select.EPOLLHUP | select.EPOLLERR):
-                        self._read(stream)
-                except OSError:
-                    self._drop(stream, tell=True)
-        self._settle()
-
-    def _accept(self):
-        while True:
-            if self._full():  # the rest wait in the backlog
-                self._pause()
-                return
-            try:
-                client, _ = self.listener.accept()
-            except OSError as exc:  # nothing waiting; or out of descriptors
-                if exc.errno in OUT_OF_FDS:
-                    if self.streams:  # it waits for a stream to end
-                        self._pause()
-                    else:  # none will: that one refused, not left to spin the loop
-                        self.spare.refuse(self.listener)
-                return
-            client.setblocking(False)
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sid = self.next_sid
-            self.next_sid = self.next_sid % 0xFFFFFFF0 + 1
-            stream = _Stream(sid, client)
-            self.streams[sid] = stream
-            self.by_fd[client.fileno()] = stream
-            stream.events = IN
-            self.sel.register(client.fileno(), IN, ("egress", self))
-            self._send(frame(OPEN, sid))
-
-    def _full(self):
-        return len(self.streams) >= self.max_streams
-
-    def _read(self, stream):
-        if stream.eof_in or stream.credit <= 0 or len(self.port_out) >= PORT_HIGH:
-            return
-        try:
-            data = stream.sock.recv(min(CHUNK, stream.credit))
-        except (BlockingIOError, InterruptedError):
-            return
-        if data:
-            stream.credit -= len(data)
-            self._send(frame(DATA, stream.sid, data))
-        else:
-            stream.eof_in = True
-            self._send(frame(EOF, stream.sid))
-        self._maybe_done(stream)
-
-    def _flush(self, stream):
-        while stream.out:
-            try:
-                sent = stream.sock.send(stream.out[:CHUNK])
-            except (BlockingIOError, InterruptedError):
-                break
-            del stream.out[:sent]
-            stream.delivered += sent
-        if stream.delivered >= WINDOW // 4 or (stream.delivered and not stream.out):
-            self._send(frame(ACK, stream.sid, stream.delivered.to_bytes(4, "big")))
-            stream.delivered = 0
-        if stream.eof_host and not stream.out:
-            try:
-                stream.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            self._maybe_done(stream)
-
-    def _read_port(self):
-        # Into one buffer, kept: a virtio-serial read returns at most one of the guest's
-        # receive buffers (a page), and os.read(n) allocates n bytes for each. Under TCG that
-        # allocation, not the port, was the ceiling: 3 MB/s, against 53 MB/s this way
-        # (bench/microvm_port.py).
-        while True:
-            try:
-                got = self.port_file.readinto(self.port_buf)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                return
-            if not got:  # None: nothing more for now; 0: the port closed
-                break
-            self.port_in += self.port_buf[:got]
-        buf = self.port_in
-        pos = 0
-        with memoryview(buf) as view:  # payloads go to their streams with one copy
-            while len(buf) - pos >= HEADER:
-                kind = buf[pos]
-                sid = int.from_bytes(view[pos + 1 : pos + 5], "big")
-                size = int.from_bytes(view[pos + 5 : pos + 9], "big")
-                if len(buf) - pos - HEADER < size:
-                    break
-                start, pos = pos + HEADER, pos + HEADER + size
-                self._on_frame(kind, sid, view[start:pos])  # not kept: the buffer shrinks below
-        del buf[:pos]
-
-    def _on_frame(self, kind, sid, payload):
-        stream = self.streams.get(sid)
-        if stream is None:
-            return  # a stream we dropped: what was in flight for it goes nowhere
-        if kind == DATA:
-            stream.out += payload
-            try:
-                self._flush(stream)
-            except OSError:
-                self._drop(stream, tell=True)
-        elif kind == EOF:
-            stream.eof_host = True
-            try:
-                self._flush(stream)
-            except OSError:
-                self._drop(stream, tell=True)
-        elif kind == ACK and len(payload) == 4:
-            stream.credit += int.from_bytes(payload, "big")
-        elif kind == CLOSE:
-            self._drop(stream, tell=False)
-
-    # -- the port ---------------------------------------------------------------------------
-
-    def _send(self, data):
-        self.port_out += data
-        self._flush_port()
-
-    def _flush_port(self):
-        while self.port_out:
-            try:
-                with memoryview(self.port_out) as view:  # no copy of what is written
-                    sent = os.write(self.port, view[:CHUNK])
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self.port_out.clear()
-                return
-            del self.port_out[:sent]
-
-    def _maybe_done(self, stream):
-        if stream.eof_in and stream.eof_host and not stream.out and stream.sid in self.streams:
-            self._drop(stream, tell=True)
-
-    def _drop(self, stream, tell):
-        if self.streams.pop(stream.sid, None) is None:
-            return
-        fd = stream.sock.fileno()
-        self.by_fd.pop(fd, None)
-        try:
-            self.sel.unregister(fd)
-        except KeyError:
-            pass
-        stream.sock.close()
-        if tell:
-            self._send(frame(CLOSE, stream.sid))
-        self._resume()
-
-    def _settle(self):
-        """What each socket waits for next (reading stops without credit or room)."""
-        room = len(self.port_out) < PORT_HIGH
-        for stream in list(self.streams.values()):
-            want = 0
-            if not stream.eof_in and stream.credit > 0 and room:
-                want |= IN
-            if stream.out:
-                want |= OUT
-            if want != stream.events:
-                stream.events = want
-                self.sel.modify(stream.sock.fileno(), want)
-        want = IN | (OUT if self.port_out else 0)
-        if want != self.port_events:
-            self.port_events = want
-            self.sel.modify(self.port, want)
-
-    def close(self):
-        for stream in list(self.streams.values()):
-            self._drop(stream, tell=False)
-        self._unlisten()
-        self.spare.close()
-        try:
-            self.sel.unregister(self.port)
-        except KeyError:
-            pass
-
-
 def make(sel, config):
     """The relay the host asked for: to a socket bound in, or over the microVM's port.
     ``files`` (the sandbox's trust bundle, where no folder is bound in) go to ``dir``."""
     write_files(config)
-    return MuxRelay(sel, config) if "fd" in config else Relay(sel, config)
+    if "fd" in config:
+        from egressmux import MuxRelay  # the microVM's alone: no other tier imports it
+
+        return MuxRelay(sel, config)
+    return Relay(sel, config)
 
 
 def write_files(config):

@@ -289,7 +289,7 @@ class EventLoop:
 
     def op_execs(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         """The execs judged while no call ran, not yet handed over with a call's report
-        (``rules.Between``): the host takes them before a reset and at close."""
+        (``execrecords.Between``): the host takes them before a reset and at close."""
         taken = self.rules.take_between() if self.rules is not None else {}
         self.send({"id": rid, "ev": "done", **taken})
 

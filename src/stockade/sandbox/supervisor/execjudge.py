@@ -24,9 +24,10 @@ import execfiles
 import execrules
 import execruns
 from execpaths import exec_path
+from execrecords import kept_argv, record
 from execverdicts import ExecVerdicts
 from protocol import MAX_EXEC_ARGV
-from rules import E2BIG, ENOENT, EPERM, kept_argv, record
+from rules import E2BIG, ENOENT, EPERM
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class ExecJudge(ExecVerdicts):
         verdict, rule = judged
         job = self.sup.job_of(pid)
         # None: no call's code ran it (what one left running): refused if it needs an
-        # approval (no call to ask under), and recorded apart (``rules.Between``).
+        # approval (no call to ask under), and recorded apart (``execrecords.Between``).
         kept_on = job if job is not None else self.sup.rules.between
         if verdict == "allow":
             confine.answer(listener, nid, True)

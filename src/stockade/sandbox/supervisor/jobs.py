@@ -58,7 +58,7 @@ class Job:
         self.oom_start = sup.oom_kills()
         self.execs: "list[dict[str, Any]]" = []  # what the rules judged (supervisor/rules.py)
         self.exec_count = 0
-        self.exec_json = self.exec_chars = 0  # of the records kept (rules.fits)
+        self.exec_json = self.exec_chars = 0  # of the records kept (execrecords.fits)
         self.exec_width = 1
         # Whether nothing but this job's own code can start a process credited to it, so that
         # a human's approval of the call may answer for its execs (``starts_code``).

@@ -1,7 +1,7 @@
 /* The exec judge's fast path: a thread of the supervisor, in C, that answers the execs the
  * rules allow whatever their arguments, so that the common exec never wakes Python.
  *
- * It owns the seccomp listener (supervisor/rules.py starts it on a thread of its own, with the
+ * It owns the seccomp listener (supervisor/fastjudge.py starts it on a thread of its own, with the
  * GIL released). For each exec it reads the path and argv from the caller's memory, as the
  * Python judge does (the memory opened first, then the notification checked still valid, so
  * that what is read is the caller's own), and answers CONTINUE only when no name the program
@@ -239,7 +239,7 @@ static u64 parse_num(const char *s)
 }
 
 /* Entries separated by NULs, each a letter and its text: P a deny/approve program, F the
- * path of a file an allowlist's rule of one word allows (rules.judge_config), L an allowlist
+ * path of a file an allowlist's rule of one word allows (fastjudge.judge_config), L an allowlist
  * is in force, S a program size, M the argv kept, D a folder of programs, N a program whose size (in each D folder) is one (find_sizes), T a
  * program (a glob) that runs a script file it is given (execruns.INTERPRETERS) and G a
  * folder of the image (execruns.IMAGE_FOLDERS). */
@@ -631,7 +631,7 @@ static int in_image(const struct rules *r, const char *path)
 }
 
 /* Whether ``path`` (normal) names a file right in one of the image's program folders (the D
- * entries: rules.PROGRAM_DIRS): the folders on its way are the image's, which code cannot
+ * entries: fastjudge.PROGRAM_DIRS): the folders on its way are the image's, which code cannot
  * make links in, so no magic link is crossed before its name (the look of every PATH
  * search, kept to one system call). */
 static int in_program_folder(const struct rules *r, const char *path)

@@ -41,7 +41,7 @@ MAX_BUNDLE_ENTRIES = 64  # MIME entries of one result
 # refused (``ListingTooLarge``): 65,521 entries of 4 KB paths made a frame of 268 MB.
 MAX_LIST_JSON = 32 << 20
 
-# The execs a command's final frame reports (supervisor/rules.py): at most this many records, each
+# The execs a command's final frame reports (supervisor/execrecords.py): at most this many records, each
 # {path, argv, verdict, rule} with at most MAX_EXEC_ARGV arguments. The host's bound on the
 # values of a header (sandbox/_channel.py) is made from these. A record keeps at most
 # MAX_EXEC_WORD characters of a word and MAX_EXEC_RECORD_ARGV of its argv (a word cut is

@@ -7,53 +7,32 @@ descends from it and inherits the filter).
 
 Where the host shipped the compiled judge (``judge.so``, from ``judge.c``), it does the
 set-up in one call (``stockade_setup``), and a thread of ours in C answers at once the execs
-the rules allow whatever their arguments (``FastJudge``, below); the rest, and every exec
+the rules allow whatever their arguments (``fastjudge``, a layer of ``Rules``); the rest, and every exec
 where it does not run, go to the Python judge (``execjudge``), loaded at the first exec that
 reaches it, so that a start pays for neither its imports nor its indexes. Without the
 library the set-up goes through ``confine``'s calls (``rulespy``, with every other path a
-start under judge.c does not take: a start imports this module whole). Standard library only.
+start under judge.c does not take: a start imports this module whole). The records of the
+execs judged, and their bounds, are ``execrecords``'. Standard library only.
 """
 
 from __future__ import annotations
 
 import _signal as signal
 import os
-import struct
 
-from protocol import (
-    MAX_EXEC_ARGV,
-    MAX_EXEC_RECORD_ARGV,
-    MAX_EXEC_RECORDS,
-    MAX_EXEC_REPORT,
-    MAX_EXEC_WORD,
-    dumps,
-    text_size,
-)
+from execrecords import Between
+from fastjudge import RulesFastJudge, c_entries
 from reaper import IGNORED_SIGNALS, code_files_word
-
-# Of a report's records (and of their bytes), the room the execs the rules let run may take:
-# the rest is kept for those they stopped or asked about, so that a loop of 1,000 `true`
-# cannot push an `rm -r` out of the report (the count of every exec goes with it: ``exec_count``).
-ALLOWED_RECORDS = MAX_EXEC_RECORDS - 100
-ALLOWED_REPORT = MAX_EXEC_REPORT - (128 << 10)
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+    from typing import Any, Dict, List, Optional, Tuple
 
     from execjudge import ExecJudge
+    from fastjudge import FastJudge
 
 # What stays writable whatever the rules say: the scratch places and the devices.
 ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
-# Where the programs a rule names are looked for, to know their copies by their content.
-PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
-# The files of the programs that run another one their arguments name (execruns.carried:
-# the dynamic loader, multi-call binaries), so that a copy of one is known by its content as
-# a rule's program is.
-CARRIER_FILES = (
-    "busybox", "toybox", "/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1",
-    "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2", "/lib/ld-musl-x86_64.so.1", "/lib/ld-musl-aarch64.so.1",
-)  # fmt: skip
 EPERM, ENOENT, E2BIG, ENOSYS, ESTALE = 1, 2, 7, 38, 116
 LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 # The signals a command's shim gets back at their default: those the supervisor ignores,
@@ -62,25 +41,7 @@ LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 _DEFAULTS = sum(1 << (int(sig) - 1) for sig in (signal.SIGCHLD, *IGNORED_SIGNALS))
 
 
-class Between:
-    """The execs judged while no call of theirs ran: started by what an earlier call left
-    running (a thread of the interpreter, a child), which no job leads. Kept as a job's are
-    (``record``: the same bounds, the rest counted) until the host takes them: with the next
-    call's report (``Rules.expire``) or by asking (``op_execs``, before a reset and at close).
-    Dropped uncounted, they were judged and recorded nowhere (found from outside: a thread's
-    ``cp -r`` after its call returned)."""
-
-    def __init__(self) -> None:
-        self.execs: "List[Dict[str, Any]]" = []
-        self.exec_count = 0
-        self.exec_json = self.exec_chars = 0  # of the records kept (fits)
-        self.exec_width = 1
-
-    def report(self) -> "Dict[str, Any]":
-        return {"execs": self.execs, "exec_count": self.exec_count} if self.exec_count else {}
-
-
-class Rules:
+class Rules(RulesFastJudge):
     def __init__(
         self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1, key: int = -1, asked: int = 0
     ) -> None:
@@ -415,17 +376,6 @@ class Rules:
         self._entry, self._confine_c = found
         return int(setup)
 
-    def start(self) -> None:
-        """Start the compiled judge's thread: after the supervisor said it is ready (off the
-        create's path), before it reads any request. The rule is in force from __init__ on:
-        an exec before this waits in the kernel until someone answers."""
-        if self.notify and self._entry and self.fast is None:
-            self.fast = FastJudge.start(
-                self._entry, self.listener, judge_config(self.commands, self.masked, self.listed)
-            )
-            if self.fast is not None:
-                self.events = self.fast.forwards
-
     def stop_fast(self) -> None:
         """Stop the compiled judge (before our own exec at a reset): the listener is ours
         again, and its records are taken in."""
@@ -436,271 +386,9 @@ class Rules:
         self.fast = None
         self.events = self.listener
 
-    def _fast_gone(self) -> None:
-        """judge.c gave the listener up (it broke under it): judge everything here."""
-        forwards = self.events
-        self.fast = None
-        self.events = self.listener
-        try:
-            self.sup.sel.unregister(forwards)
-            self.sup.sel.register(self.listener, 1, ("exec", None))  # 1: EVENT_READ
-        except (KeyError, ValueError, OSError):
-            pass
-
-    def drain(self, ending: "Any" = None) -> None:
-        """Take in the records of the execs judge.c let run, onto their jobs. ``ending``: the
-        job that just ended (its shim is no longer ours to look up)."""
-        fast = self.fast
-        if fast is None:
-            return
-        # Each object made or touched here is a page the supervisor writes at every command
-        # (a shim's fork shares them all, so each first write is a copy): one loop, one
-        # decode per record, no list of them in between.
-        data = fast.read_records()
-        at, end, head = 0, len(data), RECORD_HEAD.size
-        while at + head <= end:
-            size, _pid, session, kept = RECORD_HEAD.unpack_from(data, at)
-            if size <= head:
-                break  # never written so by judge.c; stop rather than loop
-            words = data[at + head : at + size - 1].decode("utf-8", "surrogateescape").split("\0")
-            at += size
-            job = self._job_led_by(session, ending)
-            if job is None:
-                job = self.between  # what a call left running, run after it returned
-            # Its words need no cut (``kept_argv``): judge.c's records are under 4 KiB whole.
-            job.exec_count += 1
-            if len(job.execs) < ALLOWED_RECORDS:
-                done = {"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""}
-                if kept & RECORD_FILE:  # the file that ran, where the path led to another
-                    done["file"] = done["argv"].pop()
-                if fits(job, done, ALLOWED_REPORT):
-                    job.execs.append(done)
-
-    def _job_led_by(self, session: int, ending: "Any") -> "Any":
-        """The job whose shim leads ``session`` (judge.c let only such sessions' execs by)."""
-        sup = self.sup
-        job = sup._job_led_by(session)
-        if job is not None:
-            return job
-        for running in sup.commands.values():
-            if running.shim == session:
-                return running
-        if ending is not None and getattr(ending, "shim", session) == session:
-            return ending  # a command's ended job, or the interpreter's (its shim is the only one)
-        return None
-
 
 def _more() -> "Any":
     """The rules' paths a start under judge.c does not take (``rulespy``), at their first use."""
     import rulespy
 
     return rulespy
-
-
-def record(job: "Any", done: "Dict[str, Any]") -> None:
-    """One judged exec, onto the job whose code ran it: the first ones the rules let run, and
-    every one they stopped or asked about (up to the report's bounds); the rest counted.
-    ``done``'s argv is as ``kept_argv`` keeps it. ``job`` is ``Rules.between`` for an exec
-    no call's code ran."""
-    job.exec_count += 1
-    allowed = done.get("verdict") == "allow"
-    room = ALLOWED_RECORDS if allowed else MAX_EXEC_RECORDS
-    if len(job.execs) < room and fits(job, done, ALLOWED_REPORT if allowed else MAX_EXEC_REPORT):
-        job.execs.append(done)
-
-
-def fits(job: "Any", done: "Dict[str, Any]", room: int) -> bool:
-    """Whether the record ``done`` fits the job's report, its records' JSON and text (their
-    characters at the widest width among them: ``protocol.text_size``) under ``room``
-    bytes with it; if so, it is counted in."""
-    raw = dumps(done).encode()
-    chars, width = text_size(raw)
-    size, chars, width = job.exec_json + len(raw) + 1, job.exec_chars + chars + 1, max(width, job.exec_width)
-    if size > room or chars * width > room:
-        return False
-    job.exec_json, job.exec_chars, job.exec_width = size, chars, width
-    return True
-
-
-def kept_argv(argv: "List[str]") -> "List[str]":
-    """What a record and an approval keep of ``argv`` (MAX_EXEC_ARGV words at most): each word
-    up to MAX_EXEC_WORD characters, and MAX_EXEC_RECORD_ARGV over them all, shared out so
-    that the longest words are cut first and alike (cut to the same length: a word of up to
-    MAX_EXEC_RECORD_ARGV / MAX_EXEC_ARGV characters is always whole, where the words before
-    it once took all the room and a `-r` after them was cut to nothing); a word cut is its
-    head and a mark saying how much more and its SHA-256 (two words alike in their heads
-    stay two requests for an approver)."""
-    lengths = [len(word) for word in argv]
-    if sum(lengths) <= MAX_EXEC_RECORD_ARGV and max(lengths, default=0) <= MAX_EXEC_WORD:
-        return argv
-    cap, room = MAX_EXEC_WORD, MAX_EXEC_RECORD_ARGV
-    if sum(min(n, cap) for n in lengths) > room:
-        ordered = sorted(min(n, cap) for n in lengths)
-        for at, n in enumerate(ordered):  # the shortest whole, the rest cut to an equal share
-            share = room // (len(ordered) - at)
-            if n > share:
-                cap = share
-                break
-            room -= n
-    out = []
-    for word in argv:
-        if len(word) > cap:
-            import hashlib
-
-            digest = hashlib.sha256(word.encode("utf-8", "surrogateescape")).hexdigest()
-            word = f"{word[:cap]}[... {len(word) - cap} more characters; the word is sha256 {digest}]"
-        out.append(word)
-    return out
-
-
-def _programs(words: "List[str]") -> "Tuple[str, ...]":
-    """The program a rule's first word names, the one it is matched as (``git-push`` is
-    ``git push``: ``execrules.pattern``), and the programs that are its commands under their
-    own name (``npx`` is ``npm exec``: ``execnpm.SHORTHANDS``)."""
-    import execnpm  # type: ignore[import-not-found]  # judge_config loads it at every start under rules
-    import execrules  # type: ignore[import-not-found]
-
-    name = execrules.pattern(words)[0]
-    shorthands = (short for short, (of, _) in execnpm.SHORTHANDS.items() if of == name)
-    return tuple(dict.fromkeys((words[0], name, *shorthands)))
-
-
-def _over_argv(words: "List[str]") -> bool:
-    """A rule that judges arguments (``rm -r``, and ``git-push``: ``git push``)."""
-    import execrules  # type: ignore[import-not-found]
-
-    return len(execrules.pattern(words)) > 1
-
-
-def program_names(commands: "Dict[str, List[List[str]]]") -> "Set[str]":
-    """The programs whose copies are judged by what they are here: those of the rules over
-    argv and approvals, looked for by their size; with them, the files of the programs that
-    carry another (``CARRIERS``). A program denied whatever its arguments is masked, and
-    its copies known by what the host read of it (``Rules.masked``)."""
-    judged = [words for words in commands["approve"] if words]
-    judged += [words for words in commands["deny"] if words and _over_argv(words)]
-    names = {name for words in judged for name in _programs(words)}
-    return names | set(CARRIER_FILES) if names else names
-
-
-# -- the compiled judge's thread, seen from the supervisor ------------------------------------
-# (here rather than in a module of its own: every sandbox under command rules starts it, and a
-# module's import is ~0.2 ms of that start before its first line)
-
-F_SETPIPE_SZ = 1031
-# The records' pipe keeps its default room (64 KiB: over a thousand records between two
-# drains; a full pipe sends the exec to Python, which drains first). Not more: pipe pages
-# count against the sandbox user's limit, which every sandbox of the host shares.
-# Read a page at a time: a command's few records fit one, and a larger buffer is a fresh
-# stretch of the heap written at each job's end (pages a shim's fork made shared: each
-# write of one is a fault, several a command with 64 KiB).
-RECORDS_READ = 4096
-RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
-RECORD_FILE = 0x80000000  # in the words kept: the file that ran follows them (judge.c's)
-
-
-def judge_config(
-    commands: "Dict[str, List[List[str]]]",
-    masked: "Sequence[Sequence[Any]]" = (),
-    listed: "Optional[Dict[str, List[str]]]" = None,
-) -> bytes:
-    """The rules as judge.c reads them: NUL-ended entries, a letter and its text. The sizes
-    of the programs the rules name (``rulespy.program_sizes``) are found by its thread, from
-    the folders and names given (``find_sizes``): beside our start, not in it. Those of the
-    programs the tier masks (``masked``: what the host read of them) are given: a file of
-    such a size, and any file outside the image (its build ID), goes to Python. Under an
-    allowlist, the files of the programs ``listed`` by names a rule of one word allows each of
-    (``Rules.listed``): the only ones judge.c lets run (by their identity, found by its
-    thread as the sizes are); any other exec goes to Python."""
-    entries = [f"M{MAX_EXEC_ARGV}"]
-    entries += sorted({f"S{int(entry[1])}" for entry in masked if int(entry[1]) > 0})
-    for kind in ("deny", "approve"):
-        entries += [f"P{name}" for words in commands[kind] if words for name in _programs(words)]
-    # What carries a program goes to Python, which judges it as the program it carries: under
-    # rules over argv, and under an allowlist (which the loader is on, so that what is listed
-    # runs: a link named as a listed program that leads to it would run any file). Under
-    # denials alone the masks hold it (no denied file to load), judged alike all the same.
-    from execruns import IMAGE_FOLDERS, INTERPRETERS, LOADERS, MULTICALL  # type: ignore[import-not-found]
-
-    entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
-    entries += [f"T{name}" for name in INTERPRETERS] + [f"G{folder}" for folder in IMAGE_FOLDERS]
-    if commands["allow"]:
-        entries.append("L")
-        from execrules import allows  # type: ignore[import-not-found]
-
-        # A file runs as any name it is listed by (argv[0] picks it: execrules.run_as), so
-        # only one a rule of one word allows by each of them (not /usr/lib/git-core/git,
-        # listed as git-status too, under `git status`) is let run whatever its arguments.
-        alone = [words for words in commands["allow"] if words and not _over_argv(words)]
-        entries += [
-            f"F{path}"
-            for path, names in sorted((listed or {}).items())
-            if all(any(allows(words, [name]) for words in alone) for name in names)
-        ]
-    entries += [f"D{folder}" for folder in PROGRAM_DIRS]
-    entries += [f"N{name}" for name in sorted(program_names(commands))]
-    return c_entries(entries)
-
-
-def c_entries(entries: "List[str]") -> bytes:
-    """Entries as judge.c reads them (its set-up's and its thread's): each NUL-ended, any
-    byte of a path kept (surrogateescape)."""
-    return b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
-
-
-class FastJudge:
-    """The running thread, seen from the supervisor: ``forwards`` is what its loop waits on
-    (the execs left to Python), ``records`` what the thread let run."""
-
-    def __init__(self, forwards: int, records: int, stop: int) -> None:
-        self.forwards = forwards
-        self._records = records
-        self._stop = stop
-
-    @classmethod
-    def start(cls, entry: int, listener: int, rules: bytes) -> "Optional[FastJudge]":
-        """Start judge.c on a thread of ours: from then on it owns the listener. None (and
-        every exec to Python) for rules it cannot hold."""
-        import _ctypes
-
-        if b"\0\0" in rules or rules.count(b"\0") > 1000:
-            return None  # an empty program name, or more rules than it holds
-        forward_r, forward_w = os.pipe2(os.O_CLOEXEC)
-        records_r, records_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # a full pipe: to Python
-        stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(forward_r, False)
-        import fcntl
-
-        for small in (forward_w, stop_w):  # one page each is room enough (see stop)
-            try:
-                fcntl.fcntl(small, F_SETPIPE_SZ, 4096)
-            except OSError:
-                pass
-        # A thread of its own making (a raw clone), that never takes the GIL: the call
-        # returns once it runs, and it owns the listener from then on.
-        if _ctypes.call_function(entry, (listener, forward_w, records_w, stop_r, rules, len(rules))):
-            for fd in (forward_r, forward_w, records_r, records_w, stop_r, stop_w):
-                os.close(fd)
-            return None
-        return cls(forward_r, records_r, stop_w)
-
-    def read_records(self) -> bytes:
-        """The records of the execs it let run since the last call, as judge.c wrote them
-        (``Rules.drain`` reads them): each a RECORD_HEAD, then the path and the argv kept,
-        each NUL-ended."""
-        try:
-            data = os.read(self._records, RECORDS_READ)
-        except BlockingIOError:
-            return b""
-        if len(data) < RECORDS_READ:
-            return data  # a pipe's read gives all it holds: it is empty (no second read)
-        chunks = [data]
-        while True:
-            try:
-                chunk = os.read(self._records, RECORDS_READ)
-            except BlockingIOError:
-                break
-            chunks.append(chunk)
-            if len(chunk) < RECORDS_READ:
-                break
-        return b"".join(chunks)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import struct
 
-from rules import EPERM, PROGRAM_DIRS, program_names
+from fastjudge import PROGRAM_DIRS, program_names
+from rules import EPERM
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
