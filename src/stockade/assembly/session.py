@@ -37,7 +37,8 @@ from stockade.assembly.approvals import asking_for_exec, call_approved, call_at
 from stockade.assembly.guards import audited_prompt_filter, call_guard, op_guard
 from stockade.audit.agent import AuditObserver
 from stockade.audit.runtime_events import RuntimeAuditor
-from stockade.audit.sandbox import CHECK_CALL, AuditedBackend, current_call, exec_word
+from stockade.audit.sandbox import CHECK_CALL, AuditedBackend, current_call
+from stockade.audit.sandbox_texts import exec_word
 from stockade.exceptions import (
     ApprovalRequired,
     ConfigurationError,

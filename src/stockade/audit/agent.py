@@ -66,7 +66,7 @@ from stockade.agent.state import RunStatus, ToolCallRecord, args_measure
 from stockade.audit.events import STORED, EventKind, JSONValue
 from stockade.audit.log import AuditLog
 from stockade.audit.redact import Redactor, ShellText
-from stockade.audit.sandbox import program_text
+from stockade.audit.sandbox_texts import program_text
 from stockade.policy.agent import COMMAND_TOOLS
 
 __all__ = ["AuditObserver"]

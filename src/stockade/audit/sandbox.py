@@ -16,25 +16,29 @@ one runs leaves in the trail what was in flight; the execs judged inside it are 
 its result, and die with the process.
 Reads are not recorded: they change nothing. A failed operation is recorded with its error
 class and whether it was retryable, then re-raised.
+
+The wrappers are here; the event each operation makes is ``_op_events.py``'s, and what an
+event keeps of a text or list the caller gave (``TEXT_CAP``, ``exec_word``, ``program_text``,
+``script_at``) is ``sandbox_texts.py``'s, named here too.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-import hashlib
 import json
-import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 from stockade import exceptions as exc
 from stockade._cuts import plain
+from stockade.audit._op_events import describe, failure, outcome, starting
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
-from stockade.audit.redact import CodeText, Redactor, ShellText, flag_value
+from stockade.audit.redact import Redactor
+from stockade.audit.sandbox_texts import TEXT_CAP, exec_word, program_text, script_at, words_attributes
 from stockade.sandbox.base import (
     Backend,
     Instance,
@@ -44,22 +48,9 @@ from stockade.sandbox.base import (
     WrapperBackend,
     WrapperInstance,
 )
-from stockade.sandbox.ops import (
-    MakeDir,
-    Op,
-    Pause,
-    PutArchive,
-    Remove,
-    Reset,
-    RunCode,
-    RunCommand,
-    TakeExecs,
-    TakeSnapshot,
-    WriteFile,
-    as_inline,
-)
+from stockade.sandbox.ops import Op, Reset, TakeExecs
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_RECORDS, MAX_EXEC_REPORT
-from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs, Snapshot
+from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs
 
 __all__ = [
     "CHECK_CALL",
@@ -80,15 +71,6 @@ CHECK_CALL = "acceptance-check"
 # any token of the sandbox's role may use it): its events name this actor, not the starter.
 current_actor: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_actor", default=None)
 
-# What one event keeps of each text or list it copies from the caller (a command's argv, its
-# env names, run_code's code, a program on stdin, a sandbox's hosts and names): at most this
-# many characters, all its words together. Past it the event keeps the first and last
-# KEPT_WORDS words, cut to a share of it, with the count, size and SHA-256 of the whole
-# (``argv_count``, ``argv_bytes``, ``argv_digest``, ``argv_cut``), which prove what ran. Each
-# word was once cut to it but all kept: 60,000 arguments of 14 characters made an event of 1 MB,
-# for ever in the service's database and not counted in the tenant's storage_mb.
-TEXT_CAP = 16 * 1024
-KEPT_WORDS = 16
 StepSource = Callable[[], int]
 
 # What one call's exec events may take of the trail, its two frames together (those judged
@@ -107,281 +89,9 @@ def _no_step() -> int:
     return 0
 
 
-def _kept(redactor: Redactor, text: str) -> str:
-    """``text`` redacted and cut to ``TEXT_CAP`` characters; a long one cut first, then
-    redacted as the head of a longer text (``Redactor.head``): redacting a path of a million
-    characters whole costs half a second. Every text a sandbox event copies says what was done,
-    and nobody cut it: a cut mark in it is made plain (``plain``)."""
-    text = plain(text)
-    if len(text) <= TEXT_CAP:
-        return redactor.cut(text, TEXT_CAP)
-    return redactor.cut(text[:TEXT_CAP], TEXT_CAP, was_cut=True) + f"…[{len(text) - TEXT_CAP} more chars]"
-
-
-def _text(name: str, text: str, redactor: Redactor) -> dict[str, object]:
-    """The attributes recording one text copied from the caller under ``name`` (a path, a
-    host folder): whole up to ``TEXT_CAP`` characters, past it cut, with the size and digest
-    of the whole (``<name>_bytes``, ``<name>_digest``, ``<name>_cut``). A path was once kept
-    whole: a files.remove of a 1,000,000-character path made an event of 3 MB."""
-    if len(text) <= TEXT_CAP and len(whole := redactor.text(plain(text))) <= TEXT_CAP:
-        return {name: whole}
-    kept = _kept(redactor, text)
-    raw = text.encode("utf-8", "surrogatepass")
-    return {name: kept, f"{name}_bytes": len(raw), f"{name}_digest": _digest(raw), f"{name}_cut": True}
-
-
-def _cut(redactor: Redactor) -> Callable[[str], str]:
-    """Redact, then cut: a cut first can keep a credential's prefix that no pattern knows."""
-    return lambda text: redactor.cut(type(text)(plain(text)), TEXT_CAP)
-
-
-def program_text(runner: str, program: str) -> str:
-    """A program ``runner`` runs (``bash``, ``python3``, a language of ``run_code``), as the
-    redactor reads it: a shell's script word by word (``ShellText``), other code statement by
-    statement (``CodeText``); as plain text, a value ran across quotes and ``;`` and hid the
-    commands after it."""
-    return ShellText(program) if runner.rsplit("/", 1)[-1] in _SHELLS else CodeText(program)
-
-
-# How the sandbox ends a word of an exec it cut (``supervisor.execrecords.kept_argv``): its head, then this.
-_WORD_CUT = re.compile(r"\[\.\.\. [0-9]+ more characters; the word is sha256 [0-9a-f]{64}\]\Z")
-
-
-def exec_word(redactor: Redactor, word: str, script: bool = False) -> str:
-    """A word of an exec the sandbox reported, redacted: a word it cut (to ``MAX_EXEC_WORD``
-    characters, before any redactor saw it) may end with the head of a credential, which
-    ``Redactor.head`` holds back; the sandbox's mark stays. ``script``: the word is a shell's
-    script (``script_at``), redacted word by word (``Redactor.shell``)."""
-    word = plain(word)
-    mark = _WORD_CUT.search(word)
-    if mark is None:
-        return redactor.cut(ShellText(word) if script else word, TEXT_CAP)
-    head = word[: mark.start()]
-    kept = redactor.cut(ShellText(head) if script else head, TEXT_CAP, was_cut=True) + mark.group()
-    return ShellText(kept) if script else kept
-
-
-def _word(redactor: Redactor, word: str, script: bool = False) -> str:
-    """A word of a list the caller gave, redacted (see ``exec_word``)."""
-    word = plain(word)
-    return redactor.text(ShellText(word) if script else word)
-
-
-# The shells whose ``-c`` takes a script (``sh -c``, ``bash -lc``): what commands.run and the
-# command tools run a command text with.
-_SHELLS = frozenset({"sh", "bash", "dash", "ash", "ksh", "mksh", "zsh"})
-
-
-def script_at(argv: Sequence[str]) -> int | None:
-    """Where in ``argv`` the script of a shell's ``-c`` is (``["/bin/sh", "-c", SCRIPT]``, ``-lc``,
-    ``-e -c``); ``None`` when it runs none."""
-    if not argv or argv[0].rsplit("/", 1)[-1] not in _SHELLS:
-        return None
-    for at, word in enumerate(argv[1:], 1):
-        if not word.startswith("-") or word == "--":
-            return None
-        if "c" in word[1:] and not word.startswith("--"):
-            return at + 1 if at + 1 < len(argv) else None
-    return None
-
-
-def _cut_word(word: str, share: int) -> str:
-    if len(word) <= share:
-        return word
-    kept = word[:share] + f"…[{len(word) - share} more chars]"
-    return ShellText(kept) if isinstance(word, ShellText) else kept
-
-
-def _digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def words_json(words: Sequence[str]) -> bytes:
-    """A list of words as the size and digest of a cut one are of: compact JSON, UTF-8."""
-    return json.dumps(list(words), separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
-
-
-def _words(
-    name: str,
-    words: Sequence[str],
-    redactor: Redactor,
-    redact: Callable[[str, bool], str] | None = None,
-    *,
-    argv: bool = False,
-) -> dict[str, object]:
-    """The attributes recording a list of words under ``name``: whole up to ``TEXT_CAP``
-    characters (once redacted), past it its head and tail words, the longest cut first and
-    alike, and the count, size and digest of the whole. Only the words kept are redacted (a
-    word redacted whole, then cut: a cut first can keep a credential's prefix); ``redact``
-    instead of ``redactor.text`` for words someone cut before (an exec's, ``exec_word``).
-    ``argv``: the words are a command's, where a credential's flag may be one word and its
-    value the next (``flag_value``), or a shell's script (``script_at``)."""
-    redact = redact or partial(_word, redactor)
-    script = script_at(words) if argv else None
-
-    def one(at: int) -> str:
-        hidden = flag_value(words, at) if argv and at else None
-        return redact(words[at] if hidden is None else hidden, at == script)
-
-    if sum(map(len, words)) <= TEXT_CAP:
-        whole = [one(at) for at in range(len(words))]
-        if sum(map(len, whole)) <= TEXT_CAP:
-            return {name: whole}
-    head = min(len(words), KEPT_WORDS)
-    tail = min(len(words) - head, KEPT_WORDS)
-    chosen = [one(at) for at in (*range(head), *range(len(words) - tail, len(words)))]
-    share, room = TEXT_CAP, TEXT_CAP
-    for at, n in enumerate(sorted(map(len, chosen))):  # the shortest whole, the rest cut alike
-        if n > room // (len(chosen) - at):
-            share = room // (len(chosen) - at)
-            break
-        room -= n
-    kept = [_cut_word(word, share) for word in chosen]
-    if omitted := len(words) - head - tail:
-        kept.insert(head, f"…[{omitted} more words]")
-    raw = words_json(words)
-    return {
-        name: kept,
-        f"{name}_count": len(words),
-        f"{name}_bytes": len(raw),
-        f"{name}_digest": _digest(raw),
-        f"{name}_cut": True,
-    }
-
-
-def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, object]] | None:
-    """The event kind and attributes of an operation, or ``None`` for reads (not recorded)."""
-    _cap = _cut(redactor)
-    match op:
-        case RunCommand():
-            attributes: dict[str, object] = {
-                **_words("argv", op.argv, redactor, argv=True),
-                **({"cwd": None} if op.cwd is None else _text("cwd", op.cwd, redactor)),
-                **_words("env_names", sorted(op.envs), redactor),
-                "timeout_s": op.timeout_s,
-                "stdin_bytes": None if op.stdin is None else len(op.stdin),
-            }
-            inline = as_inline(op)
-            if op.stdin is not None and inline != tuple(op.argv):  # run_code's program, on stdin
-                attributes.update(
-                    program=_cap(program_text(inline[0], inline[-1])),
-                    program_digest=_digest(op.stdin),
-                    language=inline[0],
-                )
-            return EventKind.COMMAND, attributes
-        case RunCode():
-            code = op.code.encode()
-            return EventKind.RUN_CODE, {
-                "code": _cap(CodeText(op.code)),
-                "code_bytes": len(code),
-                "code_digest": _digest(code),
-                "timeout_s": op.timeout_s,
-            }
-        case WriteFile():
-            return EventKind.FILE_WRITE, {
-                "op": "write",
-                **_text("path", op.path, redactor),
-                "bytes": len(op.data),
-                "digest": _digest(op.data),
-                "mode": oct(op.mode),
-            }
-        case PutArchive() if op.folder is not None:  # made as it is sent: no bytes to digest before
-            return EventKind.FILE_WRITE, {
-                "op": "put_archive",
-                **_text("path", op.path, redactor),
-                **_text("source", str(op.folder.source), redactor),
-                **_words("hide", op.folder.hide, redactor),
-                **_words("read", op.folder.read, redactor),
-            }
-        case PutArchive():
-            return EventKind.FILE_WRITE, {
-                "op": "put_archive",
-                **_text("path", op.path, redactor),
-                "bytes": len(op.data),
-                "digest": _digest(op.data),
-            }
-        case MakeDir():
-            return EventKind.FILE_WRITE, {"op": "make_dir", **_text("path", op.path, redactor)}
-        case Remove():
-            return EventKind.FILE_REMOVE, {**_text("path", op.path, redactor), "recursive": op.recursive}
-        case Reset():
-            return EventKind.SANDBOX_RESET, {}
-        case TakeSnapshot() | Pause():
-            op_name = "pause" if isinstance(op, Pause) else "snapshot"
-            return EventKind.SNAPSHOT_TAKE, {"op": op_name, "memory": op.memory, "store": op.store.label}
-    return None
-
-
-# What an op_start keeps of a command's argv (its words cut here, the first ones only): what
-# was in flight, named. Of code, only its size and digest: the log redacts every text it
-# records, at about half a microsecond a character, and describe's text is redacted already.
-START_CAP = 256
-START_WORDS = 16
-
-
-def starting(kind: EventKind, attributes: Mapping[str, object]) -> dict[str, object] | None:
-    """The ``op_start`` attributes of a command or ``run_code`` (from ``describe``'s); ``None``
-    for the other ops, quick ones whose single event comes at their end."""
-    if kind is EventKind.RUN_CODE:
-        keep: tuple[str, ...] = ("code_bytes", "code_digest", "timeout_s")
-    elif kind is EventKind.COMMAND:
-        keep = ("cwd", "timeout_s", "language", "program_digest", "argv_digest")
-    else:
-        return None
-    out: dict[str, object] = {"op": kind.value, **{k: attributes[k] for k in keep if k in attributes}}
-    argv = attributes.get("argv")
-    if isinstance(argv, list):
-        argc = attributes.get("argv_count", len(argv))
-        out.update(
-            argv=[
-                _cut_word(word if isinstance(word, str) else str(word), START_CAP)
-                for word in argv[:START_WORDS]
-            ],
-            argc=argc,
-        )
-    return out
-
-
 def _spell(rule: HostRule) -> str:
     text = rule.host + ("" if rule.ports == (80, 443) else ":" + ",".join(map(str, rule.ports)))
     return text + (" " + ",".join(rule.methods) if rule.methods else "")
-
-
-def outcome(result: OpResult) -> dict[str, object]:
-    if isinstance(result, Snapshot):
-        return {"snapshot_id": result.id, "kind": result.kind.value, "size_bytes": result.size_bytes}
-    if isinstance(result, CommandResult):
-        return {
-            "exit_code": result.exit_code,
-            "timed_out": result.timed_out,
-            "oom_killed": result.oom_killed,
-            "locks_killed": result.locks_killed,
-            "truncated": result.truncated,
-            "stdout_bytes": result.stdout_bytes,
-            "stderr_bytes": result.stderr_bytes,
-            "signal": result.signal,
-        }
-    if isinstance(result, Execution):
-        return {
-            "error": None if result.error is None else result.error.name,
-            "timed_out": result.timed_out,
-            "truncated": result.truncated,
-            "results": len(result.results),
-            "stdout_bytes": len(result.logs.stdout.encode()),
-            "stderr_bytes": len(result.logs.stderr.encode()),
-        }
-    return {}
-
-
-def failure(error: BaseException, redactor: Redactor) -> dict[str, object]:
-    """What failed, as an event keeps it: the message cut like any text (it may repeat what
-    the caller gave: a path of a million characters, twice in the event before)."""
-    retryable = isinstance(error, exc.StockadeError) and error.retryable
-    return {
-        "error": type(error).__name__,
-        "error_message": _kept(redactor, str(error)),
-        "retryable": retryable,
-    }
 
 
 def _egress_path(redactor: Redactor, path: str) -> str:
@@ -474,7 +184,7 @@ class AuditedInstance(WrapperInstance):
                 "call_id": self._last_call if judged.between or kind is None else current_call.get(),
                 **({"between": True} if judged.between else {}),
                 "path": self.log.redactor.cut(plain(judged.path), TEXT_CAP),
-                **_words(
+                **words_attributes(
                     "argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor), argv=True
                 ),
                 "verdict": judged.verdict,
@@ -562,16 +272,20 @@ class AuditedBackend(WrapperBackend):
             },
             "network": {
                 "enabled": spec.network.enabled,
-                **_words("allow", [_spell(r) for r in spec.network.host_rules], self.log.redactor),
+                **words_attributes("allow", [_spell(r) for r in spec.network.host_rules], self.log.redactor),
                 # never values
-                **_words("credential_names", [c.name for c in spec.network.credentials], self.log.redactor),
+                **words_attributes(
+                    "credential_names", [c.name for c in spec.network.credentials], self.log.redactor
+                ),
             },
-            **_words("env_names", sorted(spec.envs), self.log.redactor),
+            **words_attributes("env_names", sorted(spec.envs), self.log.redactor),
             # a sandbox's labels as a list of name=value past the cap, like any list
             **(
                 {"labels": dict(spec.labels)}
                 if sum(len(k) + len(v) for k, v in spec.labels.items()) <= TEXT_CAP
-                else _words("labels", [f"{k}={v}" for k, v in spec.labels.items()], self.log.redactor)
+                else words_attributes(
+                    "labels", [f"{k}={v}" for k, v in spec.labels.items()], self.log.redactor
+                )
             ),
             "allow_weaker": spec.allow_weaker,
         }

@@ -22,12 +22,16 @@ from stockade.server.bodies import BodyCap
 from stockade.server.guard import RequestGuard
 from stockade.server.held import HeldBytes
 from stockade.server.routing import Peers, SandboxRouting
+from stockade.server.run_controls import router as run_controls_router
+from stockade.server.run_events import router as run_events_router
+from stockade.server.run_records import router as run_records_router
 from stockade.server.runs import router as runs_router
 from stockade.server.sandbox_files import router as sandbox_files_router
 from stockade.server.sandboxes import router as sandboxes_router
 from stockade.server.service import Service
 from stockade.server.snapshots import router as snapshots_router
 from stockade.server.viewer import ServiceAuth, ViewerHeaders, viewer_router
+from stockade.server.workspaces import router as workspaces_router
 
 __all__ = ["create_app"]
 
@@ -98,7 +102,9 @@ def create_app(service: Service) -> FastAPI:
     app.state.peers = peers
     app.add_middleware(SandboxRouting, service=service, peers=peers)  # a sandbox held by a peer: there
     viewer = viewer_router(ServiceAuth(service))  # the run viewer, /ui
-    routers = (sandboxes_router, sandbox_files_router, snapshots_router, runs_router, viewer)
+    # the run routes in the order they were one router's (the OpenAPI page lists them so)
+    run_routers = (workspaces_router, runs_router, run_events_router, run_controls_router, run_records_router)
+    routers = (sandboxes_router, sandbox_files_router, snapshots_router, *run_routers, viewer)
     # outermost: a body is bounded before a route or a peer sees it
     routes = [route for router in routers for route in router.routes]
     app.add_middleware(BodyCap, limit=service.config.max_request_bytes, routes=routes)

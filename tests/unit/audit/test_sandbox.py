@@ -15,7 +15,7 @@ import pytest
 
 from stockade import CommandResult, SandboxFileNotFound, SandboxStartError
 from stockade.audit import AuditedBackend, AuditEvent, AuditLog, Chain, Draft, EventKind, MemoryStore, verify
-from stockade.audit.sandbox import TEXT_CAP
+from stockade.audit.sandbox_texts import TEXT_CAP
 from stockade.egress import EgressProxy, _loop
 from stockade.exceptions import AuditStoreError
 from stockade.sandbox import Sandbox

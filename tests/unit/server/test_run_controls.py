@@ -32,7 +32,7 @@ from stockade.runtime.killswitch import KillSwitch, kill_all, kill_source_for
 from stockade.runtime.limits import LocalWindow, OnLimit, RateLimit
 from stockade.sandbox.ops import RunCommand
 from stockade.server.context import ServiceConfig
-from stockade.server.runs import PENDING_SHOWN
+from stockade.server.run_views import PENDING_SHOWN
 from stockade.server.schemas import RunSubmit
 from stockade.server.service import Service
 from stockade.server.state.kills import DatabaseKillSource

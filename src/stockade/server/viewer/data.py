@@ -269,7 +269,7 @@ class ServiceRuns:
         self.can_decide = may_approve(principal)
 
     def _row(self, run_id: str) -> RunRow | None:
-        from stockade.server.runs import owns, run_status
+        from stockade.server.run_views import owns, run_status
 
         row = self.service.store.run(run_id)
         if row is None or not owns(self.principal, row):
@@ -290,7 +290,7 @@ class ServiceRuns:
         )
 
     def runs(self, filters: Filters) -> list[RunRow]:
-        from stockade.server.runs import run_status
+        from stockade.server.run_views import run_status
 
         until = int(filters.until.timestamp() * 1e9) if filters.until is not None else None
         rows = self.service.store.runs(
@@ -340,6 +340,6 @@ class ServiceRuns:
         return (after_seq if newest is None else newest), row.status
 
     def decide(self, run_id: str, request_id: str, choice: Choice) -> None:
-        from stockade.server.runs import decide_approval
+        from stockade.server.run_controls import decide_approval
 
         decide_approval(self.service, self.principal, run_id, request_id, choice, through="run viewer")
