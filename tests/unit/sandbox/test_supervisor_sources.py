@@ -67,6 +67,8 @@ def test_a_sandbox_start_loads_the_supervisors_modules_it_needs_and_no_more() ->
         "fileops",
         "files",
         "jobs",
+        "libc",
+        "proctree",
         "protocol",
         "reaper",
         "runcode",
