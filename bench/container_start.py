@@ -29,10 +29,11 @@ from _raw import PRINT1, runsc_run
 from stockade import Limits, Sandbox
 from stockade.sandbox import SpareBackend, _guest
 from stockade.sandbox._docker_settings import DEFAULT_IMAGE
+from stockade.sandbox._gvisor_settings import DEFAULT_PLATFORM
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.docker import DockerBackend
-from stockade.sandbox.gvisor import DEFAULT_PLATFORM, RunscBackend
+from stockade.sandbox.gvisor import RunscBackend
 
 
 def timed(fn: Callable[[], object]) -> float:

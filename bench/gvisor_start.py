@@ -28,8 +28,9 @@ from _raw import PRINT1, runsc_run
 from container_start import bare_config, timed
 
 from stockade import Limits, Sandbox
+from stockade.sandbox._gvisor_settings import DEFAULT_PLATFORM
 from stockade.sandbox._rootfs import find_rootfs
-from stockade.sandbox.gvisor import DEFAULT_PLATFORM, RunscBackend
+from stockade.sandbox.gvisor import RunscBackend
 
 OURS = ("ours: `Sandbox.create`", "ours: first `run_code`", "ours: second `run_code`")
 FORKS = """

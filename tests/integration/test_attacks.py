@@ -726,7 +726,18 @@ def test_a_pool_member_whose_supervisor_froze_is_replaced_in_seconds(tier: str) 
 
 
 def test_user_modules_named_like_the_supervisors_import_as_the_users(sbx: Sandbox) -> None:
-    for name in ("protocol", "interpreter", "reaper", "fileops", "files", "jobs", "runcode", "supervisor"):
+    for name in (
+        "protocol",
+        "interpreter",
+        "reaper",
+        "libc",
+        "proctree",
+        "fileops",
+        "files",
+        "jobs",
+        "runcode",
+        "supervisor",
+    ):
         sbx.files.write(f"{name}.py", f"OWNER = 'user:{name}'\n")
         assert sbx.run_code(f"import {name}; {name}.OWNER").text == f"'user:{name}'"
     assert sbx.commands.run("echo the supervisor is unaffected").ok

@@ -127,7 +127,7 @@ def test_code_writing_to_the_supervisors_descriptors_costs_the_host_nothing(dire
     sandbox for as long as the sandbox lived, waiting for the frame's end to check its seal.
     The log keeps its first 256 KiB; a forged prefix ends the sandbox at once."""
     from stockade.exceptions import SandboxCrashed
-    from stockade.sandbox.gvisor import LOG_BYTES
+    from stockade.sandbox._gvisor_bundle import LOG_BYTES
 
     with Sandbox.create(backend=direct, limits=Limits(memory_mb=256, timeout_s=60)) as sbx:
         log = direct.state_dir / f"gv-{sbx.id}" / "runsc.log"

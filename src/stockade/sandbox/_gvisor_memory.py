@@ -47,7 +47,7 @@ from stockade.sandbox.snapshots import Reservation, SnapshotStore
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-    from stockade.sandbox.gvisor import RunscBackend
+    from stockade.sandbox._gvisor_settings import RunscSettings
 
 AREAS = ("workspace", "tmp", "shm")  # the host tmpfs bound at /workspace, /tmp, /dev/shm
 # Part of every gVisor memory snapshot's machine key: raise it when what the host does
@@ -141,7 +141,7 @@ def checkpoint(
 class RunscInstance(SupervisedInstance):
     """A gVisor sandbox that stockade's ``runsc`` runs: its memory can be kept."""
 
-    backend: RunscBackend
+    backend: RunscSettings
     bundle: Path
     machine_key: str
     egress: EgressHandle | None  # the sandbox's egress proxy (``stockade.egress``)
@@ -159,7 +159,7 @@ class RunscInstance(SupervisedInstance):
         return blobs, {"machine": self.machine_key, "image": names, **origin}
 
 
-def machine_key(backend: RunscBackend, folder: Path, masks: tuple[str, ...]) -> str:
+def machine_key(backend: RunscSettings, folder: Path, masks: tuple[str, ...]) -> str:
     """What a memory image needs of the sandbox restoring it: the same runsc binary and
     platform, root filesystem, supervisor and masks. Limits are the snapshot's own."""
     parts: list[str] = [SNAPSHOT_VERSION, backend.platform, folder.name, *masks]

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stockade.sandbox.supervisor import reaper
+from stockade.sandbox import supervisor
 
-SUPERVISOR = Path(reaper.__file__).parent
+SUPERVISOR = Path(supervisor.__file__).parent
 
 
 def supervisor_module(name: str) -> Any:

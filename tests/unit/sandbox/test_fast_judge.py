@@ -412,7 +412,7 @@ SUBREAPER_PROBE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 import rules
-from reaper import libc
+from libc import libc
 
 class Sup:
     class workspace:

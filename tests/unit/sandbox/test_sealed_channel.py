@@ -204,7 +204,8 @@ def test_the_supervisor_checks_its_first_sealed_request_without_loading_openssl(
 
 TAKE_KEY = """
 import os, sys
-import _ctypes, baseline, files, fileops, jobs, protocol, reaper, runcode, zygote  # before it trims sys.path
+# before it trims sys.path
+import _ctypes, baseline, files, fileops, jobs, libc, proctree, protocol, reaper, runcode, zygote
 import supervisor
 from protocol import FrameReader
 r, w = os.pipe()

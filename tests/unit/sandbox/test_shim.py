@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 
 from stockade.sandbox import _shim
-from stockade.sandbox.supervisor import reaper
 from tests.conftest import require
 from tests.unit.sandbox.supervisor_modules import supervisor_module
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
+reaper = supervisor_module("reaper")  # the supervisor's own, as it imports it
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,8 @@ def test_a_sandbox_start_loads_the_supervisors_modules_it_needs_and_no_more() ->
         "fileops",
         "files",
         "jobs",
+        "libc",
+        "proctree",
         "protocol",
         "reaper",
         "runcode",
@@ -84,6 +86,8 @@ def test_the_rules_and_the_relay_load_their_own_modules_where_used() -> None:
     assert _imported_at_start("rules", siblings - {"rules"}) == {
         "execrecords",
         "fastjudge",
+        "libc",
+        "proctree",
         "protocol",
         "reaper",
     }

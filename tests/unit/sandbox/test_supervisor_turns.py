@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stockade.sandbox.supervisor import reaper
+from stockade.sandbox.supervisor import proctree
 from tests.conftest import wait_for
 from tests.unit.sandbox.supervisor_modules import supervisor_module
 
@@ -52,7 +52,7 @@ def test_a_group_is_killed_in_one_call() -> None:
     try:
         wait_for(lambda: len(_children(leader.pid)) == 2, what="the two sleeps")
         children = _children(leader.pid)
-        reaper.kill_group(leader.pid)
+        proctree.kill_group(leader.pid)
         assert leader.wait(timeout=10) == -9
         wait_for(lambda: not any(_alive(pid) for pid in children), what="the group's processes to die")
     finally:
@@ -63,7 +63,7 @@ def test_a_group_is_killed_in_one_call() -> None:
 def test_killing_a_group_spares_a_process_that_leads_none() -> None:
     child = subprocess.Popen(["sleep", "30"])  # our own group: killing "its" group would kill us
     try:
-        reaper.kill_group(child.pid)
+        proctree.kill_group(child.pid)
         assert child.poll() is None
     finally:
         child.kill()
@@ -88,7 +88,7 @@ def test_a_group_member_adopted_outside_the_tree_dies_with_it() -> None:
     member = int(leader.stdout.readline())
     try:
         wait_for(lambda: _parent(member) != leader.pid, what="the leader to end and its child to be adopted")
-        reaper.kill_tree(leader.pid, include_root=True)
+        proctree.kill_tree(leader.pid, include_root=True)
         wait_for(lambda: not _alive(member), what="the adopted member to die")
     finally:
         leader.stdout.close()
@@ -116,7 +116,7 @@ def test_a_pass_kills_the_tree_but_spares_what_it_must() -> None:
         a, c = _children(root.pid)
         wait_for(lambda: len(_children(a)) == 1 and len(_children(c)) == 1, what="theirs")
         b, d = _children(a), _children(c)
-        killed = reaper.kill_descendants(root.pid, spare=a, protect=frozenset({c}))
+        killed = proctree.kill_descendants(root.pid, spare=a, protect=frozenset({c}))
         assert sorted(killed) == sorted(b)
         wait_for(lambda: not any(_alive(pid) for pid in b), what="a's children to die")
         assert all(_alive(pid) for pid in (root.pid, a, c, *d))

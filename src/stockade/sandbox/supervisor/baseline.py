@@ -130,7 +130,7 @@ def _ioprio(pid: int) -> "int | None":
     calls = IOPRIO_CALLS.get(os.uname().machine)
     if calls is None:
         return None
-    from reaper import libc
+    from libc import libc
 
     try:
         return libc("syscall", calls[1], IOPRIO_WHO_PROCESS, pid)
@@ -142,7 +142,7 @@ def _set_ioprio(value: int) -> bool:
     calls = IOPRIO_CALLS.get(os.uname().machine)
     if calls is None:
         return False
-    from reaper import libc
+    from libc import libc
 
     try:
         libc("syscall", calls[0], IOPRIO_WHO_PROCESS, 0, value)

@@ -13,7 +13,7 @@ Both need no privilege (``no_new_privs`` is set on every tier), and neither can 
 by the code: Landlock domains and seccomp filters only ever add up. Standard library only;
 neither ctypes nor array (each costs milliseconds to import: array loads collections):
 buffers are ``bytearray``s pinned by ``_ctypes`` (``_pinned``), calls go through
-``reaper.libc``.
+``libc.libc``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import stat
 import struct
 
-from reaper import libc
+from libc import libc
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:

@@ -29,8 +29,9 @@ import files
 import jobs
 import runcode
 from fileops import PathRefused, _os_error
+from proctree import kill_group, kill_tree
 from protocol import Seal, encode
-from reaper import IGNORED_SIGNALS, kill_group, kill_tree
+from reaper import IGNORED_SIGNALS
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:

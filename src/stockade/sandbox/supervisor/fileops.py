@@ -9,7 +9,7 @@ import errno
 import os
 import stat
 
-from reaper import libc
+from libc import libc
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ reaped and reported, and everything of it killed at its deadline.
 
 Apart from the supervisor so that its event loop reads as routing (it calls in here when a
 command's pipe, exit or deadline comes up); the interpreter's queue (``runcode.py``) holds
-plain jobs. How a shim is forked and a tree killed is ``reaper.py``. One module with the
-jobs, not one more beside them: each module the supervisor imports is a file found, read
-and loaded at every sandbox's start.
+plain jobs. How a shim is forked is ``reaper.py``, how a tree is killed ``proctree.py``.
+One module with the jobs, not one more beside them: each module the supervisor imports is a
+file found, read and loaded at every sandbox's start.
 
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
@@ -22,16 +22,8 @@ import time
 from select import EPOLLIN as EVENT_READ
 from select import EPOLLOUT as EVENT_WRITE
 
-from reaper import (
-    kill_descendants,
-    kill_group,
-    kill_tree,
-    own_children,
-    spawn_program,
-    spawn_shim,
-    spawned,
-    wait_gone,
-)
+from proctree import kill_descendants, kill_group, kill_tree, own_children, wait_gone
+from reaper import spawn_program, spawn_shim, spawned
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:

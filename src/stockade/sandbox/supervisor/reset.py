@@ -21,8 +21,8 @@ import baseline
 import jobs
 import netstate
 from fileops import _listxattr, _write_all, empty_dir, read_exactly, remove_sysv_ipc
+from proctree import kill_tree
 from protocol import PREFIX, encode, loads
-from reaper import kill_tree
 from runcode import Interpreter
 from supervisor import RESUME_FLAG
 

@@ -190,7 +190,7 @@ class Rules(RulesFastJudge):
         if self.notify:
             # The supervisor reads each exec's arguments from the caller's memory: the shim
             # (a fork of the non-dumpable supervisor) makes its children readable to it.
-            from reaper import PR_SET_DUMPABLE, prctl
+            from libc import PR_SET_DUMPABLE, prctl
 
             prctl(PR_SET_DUMPABLE, 1)
         if self.landlock:

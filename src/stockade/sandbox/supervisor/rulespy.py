@@ -33,7 +33,7 @@ def setup_python(rules: "Any", needs_landlock: bool) -> None:
     if rules.landlock:
         build_ruleset(rules)
     # What each shim calls, prepared here once: a fork then finds it ready.
-    from reaper import PR_SET_DUMPABLE, prctl
+    from libc import PR_SET_DUMPABLE, prctl
 
     prctl(PR_SET_DUMPABLE, 0)
     if rules._confine_c is None and (rules.landlock or rules.notify):

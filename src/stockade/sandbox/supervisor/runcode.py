@@ -21,6 +21,7 @@ from select import EPOLLIN as EVENT_READ
 from select import EPOLLOUT as EVENT_WRITE
 
 from jobs import Job, Outputs, starts_code
+from proctree import kill_group, kill_tree
 from protocol import (
     CODE_REPORT_MARKS,
     MAX_CODE_REPLY,
@@ -29,7 +30,7 @@ from protocol import (
     FrameReader,
     encode,
 )
-from reaper import forked, kill_group, kill_tree, spawn_shim
+from reaper import forked, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:

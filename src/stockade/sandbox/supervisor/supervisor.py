@@ -66,19 +66,10 @@ import baseline
 import runcode
 from eventloop import EVENT_READ, EventLoop, Poller
 from fileops import Workspace, read_exactly, unlisted_ipc
+from libc import PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, limit_arenas, prctl, private_page, scrub_freed
+from proctree import kill_tree
 from protocol import PREFIX, FrameReader, Seal, best_mac, dumps, encode
-from reaper import (
-    PR_SET_CHILD_SUBREAPER,
-    PR_SET_DUMPABLE,
-    kill_tree,
-    limit_arenas,
-    load_shim,
-    prctl,
-    private_page,
-    runnable_only,
-    scrub_freed,
-    set_code_files,
-)
+from reaper import load_shim, runnable_only, set_code_files
 from zygote import Zygote
 from zygote import start as start_zygote
 

@@ -29,15 +29,8 @@ import os
 import select
 import sys
 
-from reaper import (
-    IGNORED_SIGNALS,
-    PR_SET_CHILD_SUBREAPER,
-    code_files,
-    limit_files,
-    prctl,
-    scrub_freed,
-    spawn_leader,
-)
+from libc import PR_SET_CHILD_SUBREAPER, prctl, scrub_freed
+from reaper import IGNORED_SIGNALS, code_files, limit_files, spawn_leader
 
 STOP_CHECK_S = 0.05  # how often a wait for the zygote's answer looks whether it was stopped
 

@@ -1,5 +1,5 @@
 """Killing a tree waits for each killed process to be gone before it looks again
-(supervisor/reaper.py): by a pidfd where there is one, not a fixed pause."""
+(supervisor/proctree.py): by a pidfd where there is one, not a fixed pause."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from stockade.sandbox.supervisor import reaper
+from stockade.sandbox.supervisor import proctree
 
 
 def test_the_wait_for_a_killed_process_ends_when_it_is_gone() -> None:
@@ -16,7 +16,7 @@ def test_the_wait_for_a_killed_process_ends_when_it_is_gone() -> None:
     try:
         os.kill(child.pid, signal.SIGKILL)
         started = time.monotonic()
-        reaper.wait_gone([child.pid], 5.0)
+        proctree.wait_gone([child.pid], 5.0)
         waited = time.monotonic() - started
         if hasattr(os, "pidfd_open"):
             assert waited < 2.0, "the pidfd said it was gone"
@@ -32,5 +32,5 @@ def test_no_wait_for_processes_already_gone() -> None:
     child = subprocess.Popen(["true"])
     child.wait()
     started = time.monotonic()
-    reaper.wait_gone([child.pid], 5.0)
+    proctree.wait_gone([child.pid], 5.0)
     assert time.monotonic() - started < (2.0 if hasattr(os, "pidfd_open") else 6.0)
