@@ -272,32 +272,21 @@ def _run_written_copies(sbx: Sandbox) -> dict[str, dict[str, str]]:
     return found
 
 
-def test_run_by_runsc_under_an_allowlist_no_file_the_code_wrote_runs_its_exec_refused(
-    direct: RunscBackend,
+@pytest.mark.parametrize("mode", ["runsc", "docker"])
+def test_under_an_allowlist_no_file_the_code_wrote_runs_its_exec_refused(
+    mode: str, request: pytest.FixtureRequest
 ) -> None:
-    """gVisor's kernel reads its mounts' flags from the bundle, not from the host tmpfs under
-    them: the written places are noexec there, and an exec of a file the code wrote is
-    refused (EACCES, 126 from a shell) before anything of it runs. Without an allowlist it runs."""
-    with Sandbox.create(backend=direct, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
+    """The written places are noexec in gVisor's view: run by runsc, from the bundle; under
+    Docker, whose binds carry no such option, once the supervisor's boot remounted them so in
+    a view of its own (a dynamically linked copy faulted there before, on the host tmpfs's
+    noexec). An exec of a file the code wrote is refused (EACCES, 126 from a shell) before
+    anything of it runs. Without an allowlist it runs."""
+    require_tier("gvisor")
+    backend = _gvisor(mode, request)
+    with Sandbox.create(backend=backend, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
         for place, outcomes in _run_written_copies(sbx).items():
             assert outcomes == REFUSED, place
-    with Sandbox.create(backend=direct, limits=LIMITS) as sbx:
-        for place, outcomes in _run_written_copies(sbx).items():
-            assert outcomes == RAN, place
-
-
-def test_under_docker_under_an_allowlist_a_dynamically_linked_copy_the_code_wrote_faults() -> None:
-    """The engine cannot mark a bind noexec in gVisor's view (its binds take no such option):
-    gVisor accepts the exec, the host's noexec tmpfs refuses gVisor's executable mapping of
-    the file, and the program dies of SIGSEGV at its first instruction. Contained, not
-    refused; a static program is not (the test above). Without an allowlist it runs."""
-    require_tier("gvisor")
-    docker = GVisorBackend(mode="docker")
-    require("gVisor under Docker", docker.probe().available)
-    with Sandbox.create(backend=docker, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
-        for place, outcomes in _run_written_copies(sbx).items():
-            assert outcomes == {"subprocess": "signal 11", "sh": "exit 139", "execv": "signal 11"}, place
-    with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
+    with Sandbox.create(backend=backend, limits=LIMITS) as sbx:
         for place, outcomes in _run_written_copies(sbx).items():
             assert outcomes == RAN, place
 
@@ -348,35 +337,81 @@ for place in ("/tmp", "/workspace", "/dev/shm"):
 """
 
 
-@pytest.mark.parametrize(
-    ("mode", "outcome", "says"),
-    [
-        ("runsc", "exit 126", "no program the code wrote runs"),
-        ("docker", "ran", "a program the code wrote can run"),
-    ],
-)
-def test_under_an_allowlist_what_a_static_program_the_code_wrote_does_is_what_enforcement_says(
-    mode: str, outcome: str, says: str, request: pytest.FixtureRequest
+@pytest.mark.parametrize("mode", ["runsc", "docker"])
+def test_under_an_allowlist_a_static_program_the_code_wrote_is_refused_as_enforcement_says(
+    mode: str, request: pytest.FixtureRequest
 ) -> None:
-    """A static program faults on no host mapping: run by stockade's own runsc, gVisor refuses
-    its exec (its places noexec in gVisor's view); under Docker, whose binds cannot carry
-    ``noexec`` into that view, it runs, from commands and the interpreter alike, and
-    ``enforcement.weakened`` says so rather than claiming the guarantee."""
+    """A static program faults on no host mapping: only the written places' noexec in gVisor's
+    own view refuses it. Under Docker it ran (the engine's binds carry no noexec into that
+    view) until the supervisor's boot remounted them so; now both modes refuse it, from
+    commands and the interpreter alike, as ``enforcement.weakened`` says."""
     require_tier("gvisor")
     backend = _gvisor(mode, request)
     with Sandbox.create(backend=backend, limits=LIMITS, rules=LISTED, allow_weaker=True) as sbx:
         commands = next(said for said in sbx.enforcement.weakened if said.startswith("command rules"))
-        assert says in commands, sbx.enforcement
+        assert "no program the code wrote runs" in commands, sbx.enforcement
         sbx.files.write("static", _static_program())
         command = sbx.commands.run(["python3", "-c", RUN_A_WRITTEN_STATIC_PROGRAM])
         code = sbx.run_code(RUN_A_WRITTEN_STATIC_PROGRAM)
         assert code.error is None, code
         for out in (command.stdout, code.logs.stdout):
             assert dict(line.split(" ", 1) for line in out.splitlines()) == {
-                "/tmp": outcome,
-                WORKSPACE: outcome,
-                "/dev/shm": outcome,
+                "/tmp": "exit 126",
+                WORKSPACE: "exit 126",
+                "/dev/shm": "exit 126",
             }, (command, code)
+
+
+# Code trying to make a view of the written places without noexec: a user and mount namespace
+# of its own (unshare, or clone with its flags), another's (setns), a remount, an unmount.
+# Prints each call and the errno refusing it (or "made").
+UNDO_NOEXEC = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNS, MS_REMOUNT, MS_BIND, SIGCHLD = 0x10000000, 0x20000, 32, 4096, 17
+own = os.open("/proc/self/ns/user", os.O_RDONLY)
+for name, call in (
+    ("unshare", lambda: libc.unshare(CLONE_NEWUSER | CLONE_NEWNS)),
+    ("clone", lambda: libc.syscall(56, CLONE_NEWUSER | CLONE_NEWNS | SIGCHLD, 0, 0, 0, 0)),
+    ("setns", lambda: libc.setns(own, 0)),
+    ("mount", lambda: libc.mount(None, b"/tmp", None, MS_BIND | MS_REMOUNT, None)),
+    ("umount2", lambda: libc.umount2(b"/tmp", 2)),
+):
+    made = call()
+    if made == 0 and name == "clone":
+        os._exit(0)  # the clone's child, had it been made
+    print(name, "made" if made >= 0 else errno.errorcode[ctypes.get_errno()])
+"""
+REFUSED_CALLS = dict.fromkeys(("unshare", "clone", "setns", "mount", "umount2"), "EPERM")
+
+
+@pytest.mark.parametrize("mode", ["runsc", "docker"])
+def test_under_an_allowlist_code_cannot_make_a_view_where_what_it_wrote_runs(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
+    """The noexec of the written places holds for every process: code can make no namespace
+    (unshare, clone), join none (setns), and change no mount (mount, umount2), whether from
+    Python or with ``unshare -Urm`` and a remount; the static program it wrote stays refused.
+    It runs as the uid it would: the one owning the workspace the host made, and what it
+    writes there comes back to the host."""
+    require_tier("gvisor")
+    backend = _gvisor(mode, request)
+    rules = SandboxRules(allow=("python3", "sh", "unshare", "mount"))
+    with Sandbox.create(backend=backend, limits=LIMITS, rules=rules, allow_weaker=True) as sbx:
+        sbx.files.write("static", _static_program())
+        command = sbx.commands.run(["python3", "-c", UNDO_NOEXEC])
+        code = sbx.run_code(UNDO_NOEXEC)
+        for out in (command.stdout, code.logs.stdout):
+            assert dict(line.split(" ", 1) for line in out.splitlines()) == REFUSED_CALLS, (command, code)
+        remount = sbx.commands.run("unshare -Urm sh -c 'mount -o remount,bind,exec /tmp && echo remounted'")
+        assert remount.exit_code != 0 and "remounted" not in remount.stdout, remount
+        ran = sbx.commands.run(["python3", "-c", RUN_A_WRITTEN_STATIC_PROGRAM])
+        assert ran.stdout.count("exit 126") == 3, ran
+        who = sbx.commands.run(["python3", "-c", "import os; print(os.getuid(), os.stat('.').st_uid)"])
+        uid, owner = who.stdout.split()
+        assert uid == owner, who
+        sbx.commands.run(["python3", "-c", "open('/workspace/made', 'w').write('by code')"])
+        assert sbx.files.read("made") == "by code"
 
 
 @pytest.mark.parametrize("mode", ["docker", "runsc"])

@@ -38,6 +38,7 @@ SUPERVISOR_ARGV = (
     "python3", "-S", "-E", "-s", "-B", "-c",
     f"import sys; sys.path.insert(0, {SUPERVISOR_MOUNT!r}); import boot; boot.main()",
 )  # fmt: skip
+NOEXEC_FLAG = "--stockade-noexec"  # BOOT's: the places to make noexec follow, joined by ":"
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
 EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR: the proxy's socket, read-only
@@ -60,6 +61,9 @@ def default_state_dir() -> Path:
 
 # Runs first in every container: stacks the process tier's seccomp filter on top of the
 # engine's profile (which allows ptrace, for one), then becomes the supervisor. Fails closed.
+# Given NOEXEC_FLAG and the written places, it first makes them noexec in a view of its own
+# (supervisor/noexec.py), which that filter then lets no process undo: it refuses every
+# call that makes, joins or changes a namespace or a mount.
 # Imported (so it and the supervisor load from bytecode the sandbox's python compiled) and
 # built on _ctypes alone: under gVisor, compiling the supervisor, runpy and the ctypes
 # package cost ~30 ms of every start.
@@ -97,7 +101,14 @@ class _Libc:
     _handle = _ctypes.dlopen(None)
 
 
+NOEXEC = "@NOEXEC_FLAG@"
+
+
 def main():
+    if NOEXEC in sys.argv:  # before the filter, which refuses what it takes
+        import noexec
+
+        noexec.seal_written(sys.argv[sys.argv.index(NOEXEC) + 1].split(":"))
     prctl = _Func(("prctl", _Libc()))
     prctl.argtypes = (_Long,) * 5
     with open("/opt/stockade/seccomp.bpf", "rb") as fh:
@@ -113,7 +124,7 @@ def main():
     import supervisor
 
     supervisor.main()
-"""
+""".replace("@NOEXEC_FLAG@", NOEXEC_FLAG)
 
 # Compiles the supervisor's sources with the sandbox's own python (bytecode is per Python
 # version): sources from a folder or as JSON on stdin; out {"tag": cache tag, "pyc":

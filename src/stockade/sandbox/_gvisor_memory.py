@@ -57,7 +57,9 @@ AREAS = ("workspace", "tmp", "shm")  # the host tmpfs bound at /workspace, /tmp,
 # config.json says at restore, so an older one under an allowlist would run written files.
 # 4: under an allowlist the supervisor's filter refuses memfds; a checkpoint keeps its
 # processes' filters, and an older one's have none (a program written to a memfd ran).
-SNAPSHOT_VERSION = "4"
+# 5: under Docker and an allowlist, the supervisor's own view has its written places noexec
+# (supervisor/noexec.py); an older checkpoint's processes see them without it.
+SNAPSHOT_VERSION = "5"
 RUNSC_TIMEOUT_S = 300.0
 IMAGE_ROLE = "memory"  # the role of checkpoint.img; any other file of the image: memory-<name>
 MAIN_IMAGE = "checkpoint.img"

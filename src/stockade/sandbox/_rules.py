@@ -147,17 +147,17 @@ def plan(
     can_mask: bool,
     can_confine: bool,
     runs: tuple[str, ...] = SUPERVISOR_PROGRAMS,
-    sees_noexec: bool = True,
     maps_noexec: bool = True,
 ) -> RulesPlan:
     """The rules of ``spec`` for a tier: ``root`` is the image the masks are looked up in
     (None: by name only), ``can_confine`` whether the tier's kernel runs Landlock and seccomp
     user notification at all (gVisor does not), ``runs`` the programs of the image the tier
-    itself runs in the sandbox's view (names, or paths inside): never masked. ``sees_noexec``
-    whether the tier's kernel sees the written places ``noexec`` (``written_noexec``): gVisor
-    under Docker does not, the engine's binds carry no such option into its view.
-    ``maps_noexec`` whether an executable mapping of their files is refused: gVisor maps a
-    ``noexec`` file executable, only a host tmpfs ``noexec`` under it (as root) refuses.
+    itself runs in the sandbox's view (names, or paths inside): never masked. Every tier's
+    kernel sees the written places ``noexec`` under an allowlist (``written_noexec``; gVisor
+    under Docker, whose binds carry no such option, once its supervisor's boot remounted them
+    so: ``supervisor/noexec.py``). ``maps_noexec`` whether an executable mapping of their
+    files is refused: gVisor maps a ``noexec`` file executable, only a host tmpfs ``noexec``
+    under it (as root) refuses.
 
     Made once per policy and tier (every sandbox of a policy gets the same plan, ~25 us of
     its start otherwise): the plan is shared, so nobody may change what it holds. It is made
@@ -174,7 +174,6 @@ def plan(
         "can_mask": can_mask,
         "can_confine": can_confine,
         "runs": runs,
-        "sees_noexec": sees_noexec,
         "maps_noexec": maps_noexec,
         "programs": programs_stamp(root),
     }
@@ -195,7 +194,6 @@ def _plan(
     can_mask: bool,
     can_confine: bool,
     runs: tuple[str, ...],
-    sees_noexec: bool,
     maps_noexec: bool,
     programs: tuple[int, ...],  # the key only: the program folders as they were
 ) -> RulesPlan:
@@ -247,7 +245,7 @@ def _plan(
                 fix="use the process, docker or microvm tier, or pass allow_weaker=True "
                 "(then the policy judges tool calls only, and masks denied programs)",
             )
-        held = _held_unconfined(rules, masks, sees_noexec=sees_noexec, maps_noexec=maps_noexec)
+        held = _held_unconfined(rules, masks, maps_noexec=maps_noexec)
         weakened.append(f"{what}: not held by this tier's kernel{held}; judged on tool calls only")
         return RulesPlan(None, masks, enforcement, tuple(weakened))
     if not can_confine:  # masks hold every rule there is
@@ -278,23 +276,15 @@ def _plan(
     return RulesPlan(config, masks, enforcement, tuple(weakened))
 
 
-def _held_unconfined(
-    rules: SandboxRules, masks: tuple[str, ...], *, sees_noexec: bool, maps_noexec: bool
-) -> str:
+def _held_unconfined(rules: SandboxRules, masks: tuple[str, ...], *, maps_noexec: bool) -> str:
     """What still holds of an allowlist where the kernel judges no exec (gVisor): the masks,
-    and no file the code wrote runs (``written_noexec``, the supervisor's ``no_memfd``) where
-    gVisor sees its places ``noexec`` (refusing an exec) over a host tmpfs ``noexec`` (which
-    makes gVisor's executable mapping of one fault: a library). Under Docker gVisor sees its
-    binds without it; without root its own tmpfs has no host one under it."""
+    and no file the code wrote runs (``written_noexec``, the supervisor's ``no_memfd``): gVisor
+    sees its places ``noexec`` (refusing an exec) over a host tmpfs ``noexec`` (which makes
+    gVisor's executable mapping of one fault: a library). Without root its own tmpfs has no
+    host one under it."""
     if not rules.allow:
         return ""
     held = "; the image's unlisted programs are masked" if masks else ""
-    if not sees_noexec:
-        return held + (
-            "; a program the code wrote can run (gVisor under Docker: the engine marks no bind "
-            "noexec in gVisor's view; a dynamically linked one or a library faults, a static one "
-            "runs; memfd_create refused; STOCKADE_GVISOR_MODE=runsc refuses them all)"
-        )
     if not maps_noexec:
         return held + (
             "; no program the code wrote runs (its places noexec, memfd_create refused), but a "

@@ -230,16 +230,21 @@ class DockerBackend(DockerPlan, SupervisorFiles):
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         enforcement = self._plan(spec)
-        # gVisor's kernel has neither Landlock nor seccomp user notification; it sees the
+        # gVisor's kernel has neither Landlock nor seccomp user notification. It sees the
         # engine's binds (host tmpfs, as root) without noexec (Engine API 1.41 takes no such
-        # option), and the engine's tmpfs with it but with no host noexec under its mappings.
+        # option): the supervisor's boot remounts them so (``sealed``); the engine's tmpfs with
+        # it, but with no host noexec under its mappings.
         rules = _rules.plan(
             spec,
             root=self._image_root(),
             can_mask=True,
             can_confine=not self.own_kernel,
-            sees_noexec=not (self.own_kernel and self.host_tmpfs),
             maps_noexec=not self.own_kernel or self.host_tmpfs,
+        )
+        sealed = (
+            (_guest.NOEXEC_FLAG, ":".join(sorted(_guest.tmpfs_sizes(spec))))
+            if self.own_kernel and self.host_tmpfs and _rules.written_noexec(spec)
+            else ()
         )
         api = self._api()
         if not self._collected:
@@ -299,7 +304,7 @@ class DockerBackend(DockerPlan, SupervisorFiles):
                 created = Create(
                     lambda: api.create_container(
                         self.image,
-                        command=list(_guest.SUPERVISOR_ARGV),
+                        command=[*_guest.SUPERVISOR_ARGV, *sealed],
                         user=f"{lease.uid}:{lease.uid}",
                         working_dir=WORKSPACE,
                         environment=_supervisor_env(egress),
