@@ -75,7 +75,7 @@ def test_files_whose_names_are_not_utf8_are_named_as_left_out_never_dropped(tmp_
     )
     with open_run_store("memory:") as store, Sandbox.create(tier="process", workspace=tmp_path) as sbx:
         result = Agent(model, checkpointer=store).run_sync("go", sandbox=sbx, run_id="r")
-        files = store.export_workspace("r", tmp_path / "export")
+        files = store.export_workspace("r", tmp_path / "export").files
         unnamed = store.workspace_unnamed("r")
     assert result.ok
     assert "+++ b/fine.txt" in result.diff

@@ -22,7 +22,7 @@ from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.policy.schema import Decisions
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
-from stockade.server.runner import Runner
+from stockade.server.runner import LEFT_OUT, Runner
 from stockade.server.state.approvals import DatabaseApprovals
 from stockade.server.state.kills import DatabaseKillSource
 from stockade.server.state.rows import WAITING
@@ -203,6 +203,28 @@ def test_a_run_whose_worker_died_before_keeping_its_artifacts_gets_them_when_giv
     assert data is not None
     unpack_seed(data, tmp_path / "got")
     assert (tmp_path / "got" / "out" / "result.txt").read_text() == "kept"
+
+
+def test_a_runs_artifacts_leave_out_a_planted_repository_config_and_name_it(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """Kept at the run's end and rebuilt from the run store alike: a `.git/config` the run's
+    code wrote (its `core.fsmonitor` ran on `git status` where the artifacts were unpacked) is
+    not in them; the note inside them names it; the rest is there."""
+    plant = {"name": "write_file", "args": {"path": "sub/.git/config", "content": "[core]\nfsmonitor = x\n"}}
+    head = {"name": "write_file", "args": {"path": "sub/.git/HEAD", "content": "ref: refs/heads/main\n"}}
+    _submit(runner, "r1", [plant, head, "done"])
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    for got in (tmp_path / "kept", tmp_path / "rebuilt"):
+        data = runner.store.artifacts("r1")
+        assert data is not None
+        unpack_seed(data, got)
+        assert not (got / "sub/.git/config").exists() and (got / "sub/.git/HEAD").exists()
+        assert "'sub/.git/config'" in (got / LEFT_OUT).read_text()
+        # as a worker SIGKILLed between the run store's end and the artifacts leaves the run
+        assert runner.store.delete_artifacts("r1")
+        assert runner.store.set_status("r1", "running", only_from=("success",))
+        assert runner.execute("r1", _acme(runner)).status == "success"
 
 
 def test_a_run_that_called_no_tool_gets_the_workspace_it_started_from_as_artifacts(

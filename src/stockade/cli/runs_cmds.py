@@ -120,17 +120,19 @@ def workspace(
     with run_store(db, namespace, read_only=True) as store:
         resolved = resolve_run(store, run_id)
         try:
-            files = store.export_workspace(resolved, dest)
-            unnamed = store.workspace_unnamed(resolved)
+            exported = store.export_workspace(resolved, dest)
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
-    out.print(f"{files} files of run {escape(resolved)} written to {escape(str(dest))}")
-    if unnamed:
+    out.print(f"{exported.files} files of run {escape(resolved)} written to {escape(str(dest))}")
+    if exported.unnamed:
+        unnamed = exported.unnamed
         shown = ", ".join(repr(p) for p in unnamed[:20]) + (
             f" ... ({len(unnamed)} in all)" if len(unnamed) > 20 else ""
         )
         err.print(f"[yellow]left out (names not UTF-8, shown with U+FFFD; not kept):[/] {escape(shown)}")
+    for line in exported.withheld.lines():
+        err.print(f"[yellow]{escape(line)}[/]")
 
 
 def register(app: typer.Typer) -> None:

@@ -12,17 +12,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunState, ToolCallRecord
+from stockade.policy.engine import PolicyEngine
 from stockade.policy.schema import Policy
 from stockade.runs._db import Statement
 from stockade.runs._mac import insert, select
 from stockade.runs._schema import as_float, as_int
 from stockade.runs._store_parts import StoreParts, check_run_id
+from stockade.runs.handback import Exported
 from stockade.runs.records import ApprovalEntry, RetryEntry, RunSetup, WorkspaceUsage
 from stockade.sandbox.facade import Sandbox
 
@@ -81,12 +83,25 @@ class RunRecords(StoreParts):
         check_run_id(run_id)
         return self._workspaces.restore(run_id, sandbox)
 
-    def export_workspace(self, run_id: str, dest: str | Path) -> int:
+    def export_workspace(self, run_id: str, dest: str | Path) -> Exported:
         """Write the run's last recorded workspace into ``dest``, a new folder on the host (for
-        review: a run an anomaly rule killed keeps it here); returns the files written.
-        ``ConfigurationError`` when ``dest`` exists or the run recorded no workspace."""
+        review: a run an anomaly rule killed keeps it here), but what a copy on the host leaves
+        out (``runs.handback``: judged by the policy the run ran under, when it was kept);
+        returns what was written and left out. ``ConfigurationError`` when ``dest`` exists or
+        the run recorded no workspace."""
         check_run_id(run_id)
-        return self._workspaces.export(run_id, dest)
+        return self._workspaces.export(run_id, dest, keep=self.hands_back(run_id))
+
+    def hands_back(self, run_id: str) -> Callable[[str], bool] | None:
+        """Which changed paths the policy the run ran under lets come back to the host (its
+        ``hands_back``); None for a run kept without its policy (``setup``)."""
+        setup = self.setup(run_id)
+        return None if setup is None else PolicyEngine(setup.policy, role=setup.role).hands_back
+
+    def seed_files(self, run_id: str) -> dict[str, str]:
+        """The SHA-256 (hex) of each file the run started with, by path (empty: none kept)."""
+        check_run_id(run_id)
+        return self._workspaces.seed_files(run_id)
 
     def workspace_unnamed(self, run_id: str) -> list[str]:
         """What ``export_workspace`` leaves out: the paths whose names are not UTF-8."""

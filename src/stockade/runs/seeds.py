@@ -32,7 +32,7 @@ from stockade.sandbox._archive import Extraction
 from stockade.sandbox._archive_gzip import Inflated
 from stockade.sandbox._requests import open_entry, unreadable, upload_entries
 
-__all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "unpack_seed"]
+__all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "seed_digests", "unpack_seed"]
 
 MAX_SEED_BYTES = 64 * 1024 * 1024  # of file content, before compression
 
@@ -119,3 +119,16 @@ def unpack_seed(data: bytes, dest: str | Path) -> None:
             unpack.finish()
     except (exc.WorkspaceError, exc.ProtocolError) as error:
         raise exc.RunStoreError(f"the stored workspace cannot be unpacked: {error}") from error
+
+
+def seed_digests(data: bytes) -> dict[str, str]:
+    """The SHA-256 (hex) of each regular file a seed holds, by its path: what an export checks
+    a file against before it hands back one of a repository's command files (``stockade._vcs``)."""
+    found: dict[str, str] = {}
+    # a seed the host packed (``pack_workspace``): its files are capped at MAX_SEED_BYTES
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data)), mode="r:") as tar:
+        for member in tar:
+            content = tar.extractfile(member) if member.isfile() else None
+            if content is not None:
+                found[member.name] = hashlib.sha256(content.read()).hexdigest()
+    return found

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
@@ -27,8 +27,9 @@ from stockade.runs._db import Database, Statement
 from stockade.runs._mac import select
 from stockade.runs._schema import as_int
 from stockade.runs.checkpoints import Checkpoints
+from stockade.runs.handback import Exported, withheld
 from stockade.runs.records import WorkspaceUsage
-from stockade.runs.seeds import pack_workspace, unpack_seed
+from stockade.runs.seeds import pack_workspace, seed_digests, unpack_seed
 from stockade.runs.workspace import Entry, Scan, WorkspaceTracker, decode_entry, relative_path, restore
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import ReadFile
@@ -221,13 +222,19 @@ class WorkspaceHistory:
             self._trackers[run_id] = tracker
         return True
 
-    def export(self, run_id: str, dest: str | Path) -> int:
-        """Write the run's last recorded workspace into ``dest``, a new folder on the host;
-        returns the files written. ``ConfigurationError`` when ``dest`` exists or the run
+    def export(self, run_id: str, dest: str | Path, *, keep: Callable[[str], bool] | None = None) -> Exported:
+        """Write the run's last recorded workspace into ``dest``, a new folder on the host, but
+        what a copy on the host leaves out (``runs.handback``: a repository's command files the
+        run did not start with, changes ``keep``, the policy's hands_back, refuses); returns what
+        was written and left out. ``ConfigurationError`` when ``dest`` exists or the run
         recorded no workspace."""
         entries, version = self._stored(run_id)
         if version == 0:
             raise exc.ConfigurationError(f"run {run_id!r} recorded no workspace in {self._where}")
+        files = {p: e.digest for p, e in entries.items() if e.kind == "file" and relative_path(p)}
+        folders = [p for p, e in entries.items() if e.kind == "dir"]
+        left = withheld(files, folders, seed=self.seed_files(run_id), keep=keep)
+        skipped = {*left.commands, *left.refused}
         root = Path(dest)
         try:
             root.mkdir(parents=True)
@@ -236,8 +243,8 @@ class WorkspaceHistory:
         written = 0
         for path in sorted(p for p in entries if relative_path(p)):  # parents sort before children
             entry, target = entries[path], root / path
-            if entry.kind == "unnamed":
-                continue  # its name is not UTF-8: named by ``unnamed``, not written under another
+            if entry.kind == "unnamed" or path in skipped:
+                continue  # named by what is returned, never written (nor under another name)
             if entry.kind == "dir":
                 target.mkdir(mode=0o700, exist_ok=True)
                 continue
@@ -247,7 +254,8 @@ class WorkspaceHistory:
             with os.fdopen(fd, "wb") as out:
                 out.write(self._blob(entry.digest))
             written += 1
-        return written
+        unnamed = tuple(sorted(p for p, e in entries.items() if e.kind == "unnamed"))
+        return Exported(files=written, withheld=left, unnamed=unnamed)
 
     def unnamed(self, run_id: str) -> list[str]:
         """The paths of the run's last recorded workspace whose names are not UTF-8 (shown with
@@ -296,15 +304,15 @@ class WorkspaceHistory:
         )
         return seed.digest
 
-    def restore_seed(self, run_id: str, dest: str | Path) -> bool:
-        """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""
+    def _seed_data(self, run_id: str) -> bytes | None:
+        """The run's packed starting workspace; None when none was kept."""
         seeds = self.db.query(f"{select(self.ns, 'run_seeds')} WHERE run_id = ?", (run_id,))
         self.checkpoints.mac.check(self.ns, "run_seeds", seeds, store=self._where)
         rows = self.db.query(
             f"SELECT data FROM {self.ns}_seeds WHERE digest = ?", (seeds[0][1],) if seeds else ("",)
         )
         if not rows:
-            return False
+            return None
         raw = rows[0][0]
         data = bytes(raw) if isinstance(raw, bytes | bytearray | memoryview) else b""
         if "sha256:" + hashlib.sha256(data).hexdigest() != seeds[0][1]:  # named by its content
@@ -312,5 +320,17 @@ class WorkspaceHistory:
                 f"run store {self._where}: the {self.ns}_seeds row {str(seeds[0][1])[:23]}… does not hold "
                 "the content its digest names"
             )
+        return data
+
+    def restore_seed(self, run_id: str, dest: str | Path) -> bool:
+        """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""
+        data = self._seed_data(run_id)
+        if data is None:
+            return False
         unpack_seed(data, dest)
         return True
+
+    def seed_files(self, run_id: str) -> dict[str, str]:
+        """The SHA-256 (hex) of each file the run started with, by path; empty when no seed was kept."""
+        data = self._seed_data(run_id)
+        return {} if data is None else seed_digests(data)

@@ -51,6 +51,7 @@ from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel
 from stockade.policy.engine import PolicyEngine
+from stockade.runs.handback import prune_folder
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.snapshots import release_run_snapshots
 from stockade.runs.store import RunStore
@@ -98,6 +99,9 @@ _TURNS: TypeAdapter[list[str | ToolCall | list[ToolCall] | ModelResponse]] = Typ
     list[str | ToolCall | list[ToolCall] | ModelResponse]
 )
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+# Inside a run's artifacts: what they leave out of its workspace, a line per reason (a folder a
+# copy carries, ``_state.CARRIED``; written only when something was left out).
+LEFT_OUT = ".stockade/reports/left-out.txt"
 MAX_SHARES = 10_000
 # how a run that waits for its tenant's window says so (``RunRow.error``, shown by the API)
 DEFERRED = "waiting off the worker for the tenant's"
@@ -566,23 +570,31 @@ class Runner:
         return self._as_stored(run_id)
 
     def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
-        """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns)."""
+        """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns), but what
+        a copy on the host leaves out (``runs.handback``), named in ``LEFT_OUT`` inside it."""
         with scratch("artifacts", self.config.temp_dir) as tmp:
+            out = Path(tmp) / "out"
             try:
-                session.save_workspace(Path(tmp) / "out")
-            except exc.StockadeError as error:
+                session.save_workspace(out)
+                left = prune_folder(
+                    out, seed=self.runs.seed_files(run_id), keep=session.owner.engine.hands_back
+                )
+                _name_left_out(out, left.lines())
+            except (exc.StockadeError, OSError) as error:
                 log.warning("run %s: its artifacts were not kept: %s", run_id, error)
                 return
-            self._put_artifacts(run_id, tenant, Path(tmp) / "out")
+            self._put_artifacts(run_id, tenant, out)
 
     def _rebuild_artifacts(self, run_id: str, tenant: Tenant) -> None:
         """The artifacts of a run that ended without them: its last recorded workspace (each
-        tool call records it), or, a run that called no tool, the workspace it started from."""
+        tool call records it, less what an export leaves out), or, a run that called no tool,
+        the workspace it started from."""
         with scratch("artifacts", self.config.temp_dir) as tmp:
             out = Path(tmp) / "out"
             try:
                 if self.runs.workspace_usage(run_id).versions:
-                    self.runs.export_workspace(run_id, out)
+                    exported = self.runs.export_workspace(run_id, out)
+                    _name_left_out(out, exported.withheld.lines())
                 else:
                     with self._seed(tenant, run_id, self._spec_workspace(run_id)) as seed:
                         if seed is None:
@@ -608,3 +620,21 @@ class Runner:
             run_id, seed.digest, seed.data, len(seed.data), max_bytes=tenant.quotas.storage_mb * MiB
         ):
             log.warning("run %s: its artifacts were not kept: its tenant's storage_mb quota is full", run_id)
+
+
+def _name_left_out(out: Path, lines: list[str]) -> None:
+    """Write ``LEFT_OUT`` into the artifacts' folder when anything was left out (over whatever
+    the run's code put there)."""
+    if not lines:
+        return
+    folder = out
+    for part in Path(LEFT_OUT).parent.parts:  # never through a link the run's code left there
+        folder = folder / part
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            folder.unlink()
+        folder.mkdir(exist_ok=True)
+    note = out / LEFT_OUT
+    note.unlink(missing_ok=True)
+    fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as file:
+        file.write("\n".join(lines) + "\n")
