@@ -62,6 +62,7 @@ from stockade.types import MAX_PENDING_APPROVALS
 __all__ = [
     "CLIENT_ACTOR",
     "MAX_PENDING",
+    "NOT_A_DECISION",
     "SPENT",
     "SYSTEM_ACTOR",
     "ApprovalBook",
@@ -85,6 +86,9 @@ SPENT = "spent"  # the status of a yes that was applied: it answers nothing more
 # A decision's ``by`` that names a program, not a person: an MCP client's elicitation answer. The
 # trail records it as it is, not as "human:" (the client's user may not have seen the question).
 CLIENT_ACTOR = "mcp-client:"
+# Ends a client's ``by`` when its answer decided nothing (``{"approve": "true"}``): denied, and
+# the model told so, not that "a human denied" it, as the trail names the client's "accept"
+NOT_A_DECISION = "not a decision"
 WITHDRAWN = "stockade: the run ended before anyone decided"  # who closed a request (``withdraw``)
 # A decision's ``by`` that is no one's: nobody answered in time, or nobody was left to ask
 # (``unanswered``). The trail records its actor as ``system:timeout`` (or ``system:cancelled``),
@@ -97,6 +101,19 @@ def unanswered(why: str, *, timeout: bool = True) -> str:
     """The ``by`` of a denial nobody decided: ``why`` (``"nobody answered within 8 s"``) after
     ``system:timeout: `` (``system:cancelled: `` when nobody was left to answer)."""
     return f"{SYSTEM_ACTOR}{'timeout' if timeout else 'cancelled'}: {why}"
+
+
+def _denial(by: str) -> str:
+    """How a denial recorded as ``by``'s is told: by a person, by nobody (and why), or by an
+    MCP client's answer that decided nothing."""
+    nobody = _nobody(by)
+    if nobody is not None:
+        return f"denied, as {nobody}"
+    if by.startswith(CLIENT_ACTOR) and by.endswith(f"{NOT_A_DECISION})"):
+        return (
+            "denied, as the MCP client's answer was not a decision (an accept without approve: true or false)"
+        )
+    return "a human denied"
 
 
 def _nobody(by: str) -> str | None:
@@ -477,8 +494,7 @@ class Approvals:
         if choice is Choice.APPROVED:
             return
         if choice is Choice.DENIED:
-            nobody = _nobody(_decided_by(store, request)) if store is not None else None
-            who = "a human denied" if nobody is None else f"denied, as {nobody}"
+            who = _denial(_decided_by(store, request) if store is not None else "")
             raise PolicyDenied(f"{who}: {request.action} ({request.reason})", rule=request.rule,
                                action=request.action)  # fmt: skip
         if self.store is None:

@@ -23,7 +23,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from stockade import exceptions as exc
 from stockade._display import visible
 from stockade.policy import approval
-from stockade.policy.approval import CLIENT_ACTOR, Choice
+from stockade.policy.approval import CLIENT_ACTOR, NOT_A_DECISION, Choice
 from stockade.server.mcp_outcomes import Paused, PendingApproval
 from stockade.server.mcp_session import McpAgent, McpSession
 
@@ -60,9 +60,7 @@ class AskingApprovals:
             answer = responses.get(pending.request_id)
             if not isinstance(answer, types.ElicitResult):
                 return False
-            approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
-            choice = Choice.APPROVED if approved else Choice.DENIED
-            by = _client_decider(session, answer.action)
+            choice, by = _client_choice(session, answer)
             with contextlib.suppress(exc.ApprovalDecided):  # decided elsewhere first: that stands
                 await anyio.to_thread.run_sync(functools.partial(session.decide, pending, choice, by=by))
         return True
@@ -98,9 +96,7 @@ class AskingApprovals:
                 unanswered = approval.unanswered(f"the MCP client answered nothing within {wait_s:g} s")
                 await self._deny(session, pending, unanswered)
                 return
-            approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
-            choice = Choice.APPROVED if approved else Choice.DENIED
-            by = _client_decider(session, answer.action)
+            choice, by = _client_choice(session, answer)
             with contextlib.suppress(exc.ApprovalDecided):  # decided elsewhere meanwhile: that stands
                 await anyio.to_thread.run_sync(lambda: session.decide(pending, choice, by=by))
             return
@@ -124,10 +120,18 @@ class AskingApprovals:
             await anyio.to_thread.run_sync(lambda: session.decide(pending, Choice.DENIED, by=by))
 
 
-def _client_decider(session: McpSession, action: str) -> str:
-    """Who decided through the client's elicitation: the client (its name as it gave it, quoted
-    and escaped), not a person the server knows; the trail records it as such."""
-    return f"{CLIENT_ACTOR}{json.dumps(session.client)} (elicitation: {json.dumps(action)})"
+def _client_choice(session: McpSession, answer: types.ElicitResult) -> tuple[Choice, str]:
+    """What the client's elicitation answer decides, and who decided: the client (its name as
+    it gave it, quoted and escaped), not a person the server knows; the trail records it as
+    such. An "accept" without ``approve`` true or false (``"true"``) decides nothing: denied,
+    and said so (``NOT_A_DECISION``), in the trail and to the model alike."""
+    said = (answer.content or {}).get("approve")
+    by = f"{CLIENT_ACTOR}{json.dumps(session.client)} (elicitation: {json.dumps(answer.action)}"
+    if answer.action == "accept" and said is True:
+        return Choice.APPROVED, by + ")"
+    if answer.action == "accept" and said is not False:
+        return Choice.DENIED, f"{by}, {NOT_A_DECISION})"
+    return Choice.DENIED, by + ")"
 
 
 def _message(pending: PendingApproval) -> str:

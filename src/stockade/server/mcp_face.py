@@ -218,6 +218,15 @@ class McpFace(AskingApprovals):
         call of its matching tool, its approvals asked as a handshake client's are (a resource
         read has no retry to carry an answer)."""
         held = session.paused
+        if held is None and responses and not session.closed:
+            # A retry whose call waits no more: another retry with the answer took it (two at
+            # once both resumed the run, and the second's resume, left over, resumed the
+            # session's next call undecided and answered with its question).
+            raise MCPError(
+                types.INVALID_REQUEST,
+                "no call of this session waits for an answer: another retry answered it, or it "
+                "ended; call again without inputResponses",
+            )
         if held is None:
             outcome = await session.call(name, args, resource=resource, gone=_gone(ctx))
         elif resource:
@@ -234,10 +243,18 @@ class McpFace(AskingApprovals):
                 f"a call of {waits} in this session waits for its approval: retry that call, the same "
                 "name and arguments, with the answer first (a session's calls run one at a time)",
             )
-        elif responses and self._client_decides and await self._answered(session, held, responses):
-            session.paused = None
-            outcome = await session.resume()
-        else:  # an action still waits for its answer: the session asks again
+        elif responses and self._client_decides:
+            session.paused = None  # taken before anything is awaited: one retry answers it
+            try:
+                answered = await self._answered(session, held, responses)
+            except BaseException:
+                session.paused = held  # still held: a retry may answer it yet
+                raise
+            if answered:
+                outcome = await session.resume()
+            else:  # an action still waits for its answer: the session asks again
+                outcome = held
+        else:
             outcome = held
         while isinstance(outcome, Paused):
             # 2026-07-28: the answer comes with the retry

@@ -312,10 +312,19 @@ class McpSession:
             threading.Thread(target=instance.cut_running, name=f"stockade-mcp-cut-{self.run_id}").start()
 
     async def resume(self) -> Outcome:
-        """Continue after the pending approvals were decided: the parked call runs again."""
+        """Continue after the pending approvals were decided: the parked call runs again. Its
+        caller cancelled meanwhile, it is cut as a running call is (``_cancel``): the resumed
+        call went on to its end, recorded as a success, and the session's next call waited
+        for it (a `sleep 6` after an approved `rm -r`, cancelled 1 s in, held the next 5 s)."""
         future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
         self._control.put(future)
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            current = self._current
+            if current is not None:
+                self._cancel(current)
+            raise
 
     def decide(self, pending: PendingApproval, choice: Choice, *, by: str) -> None:
         """Record a decision in the approval book the run reads (as ``stockade approve`` does),

@@ -4,6 +4,7 @@ counted outside strings whatever the strings hold."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -39,3 +40,20 @@ def test_many_small_values_cost_far_more_than_their_bytes() -> None:
     assert message_cost(junk) > 50 * len(junk)
     text = json.dumps({"content": "x" * 1_000_000}).encode()
     assert message_cost(text) < len(text) + 10 * VALUE_BYTES
+
+
+@pytest.mark.parametrize("wide", ["😀", "€", "é"], ids=["past-U+FFFF", "past-U+00FF", "latin-1"])
+@pytest.mark.parametrize("ascii_only", [True, False], ids=["escaped", "utf-8"])
+def test_one_wide_character_widens_the_whole_string(wide: str, ascii_only: bool) -> None:
+    """Found from outside: CPython stores a string at its widest character's width, and the
+    cost counted a string's JSON bytes: one emoji in 4 MiB of ASCII (raw, or escaped as
+    ``\\ud83d\\ude00``) made it 16 MiB parsed, counted 4. The estimate is at least what the
+    parsed string takes."""
+    text = json.dumps({"content": "x" * 1_000_000 + wide}, ensure_ascii=ascii_only).encode()
+    parsed = json.loads(text)["content"]
+    assert message_cost(text) >= sys.getsizeof(parsed)
+
+
+def test_escaped_ascii_is_not_wide() -> None:
+    text = json.dumps({"content": "x" * 1_000_000 + "\x05\x7f"}).encode()
+    assert b"\\u0005" in text and message_cost(text) < 2 * len(text)

@@ -836,3 +836,135 @@ async def test_over_http_the_bodies_held_at_once_are_bounded_and_one_more_is_tol
         answered.set()
     assert await post(4) == (200, {}, 4)  # 800 and 928: the budget is free again
     assert bodies == [b"x" * 600, b"x" * 800]
+
+
+def test_a_call_cancelled_after_its_approval_is_cut(tmp_path: Path) -> None:
+    """Found from outside: a call cancelled once its approval was given (the run resumed, its
+    command running) was not cut: it ran to its end, the trail recorded its success, and the
+    session's next call waited for it. It is cut now as any running call is, and recorded as
+    cancelled by its client."""
+    started, released = threading.Event(), threading.Event()
+
+    def slow(op: RunCommand) -> CommandResult:
+        started.set()
+        released.wait(30)  # until the test saw the cut (a real sandbox's command ends then)
+        return CommandResult(exit_code=0, stdout="after the cut", stderr="", duration_s=0.0)
+
+    backend = FakeBackend(MemoryWorkspace(commands=slow), tier="process")
+    config = AgentConfig(
+        model=MODEL_NAME, policy=POLICY, audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        backend=backend, approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+    )  # fmt: skip
+    server = McpFace(McpAgent(config), transport="stdio", approval_wait_s=30)
+
+    async def approves(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        return types.ElicitResult(action="accept", content={"approve": True})
+
+    async def session() -> types.CallToolResult:
+        with anyio.fail_after(60):
+            async with Client(server.server, mode="legacy", elicitation_callback=approves) as client:
+                async with anyio.create_task_group() as group:
+
+                    async def call() -> None:
+                        await client.call_tool("run_code", {"code": "rm -r d; sleep 6", "language": "bash"})
+
+                    group.start_soon(call)
+                    await anyio.to_thread.run_sync(started.wait)  # approved, resumed, running
+                    group.cancel_scope.cancel()
+                try:
+                    while not any(instance.cuts for instance in backend.instances):
+                        await anyio.sleep(0.02)
+                finally:
+                    released.set()
+                return await client.call_tool("write_file", {"path": "b.txt", "content": "b"})
+
+    after = asyncio.run(session())
+    server.close()
+    assert not after.is_error, text(after)
+    calls = [
+        (e.attributes["tool"], e.attributes.get("error_type"))
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "tool_call"
+    ]
+    assert calls == [("run_code", "CallCancelled"), ("write_file", None)], calls
+
+
+def test_two_retries_with_one_answer_resume_the_call_once(tmp_path: Path) -> None:
+    """Found from outside (2026-07-28): two retries of a held call, sent at once with its
+    answer, both resumed the run; the second's resume, left over, resumed the session's next
+    call with its approval undecided and was answered with that call's question. One retry
+    takes the held call now; the other is refused."""
+    server = face(tmp_path)
+    held = {"code": "rm -r a", "language": "bash"}
+
+    async def session() -> tuple[list[types.CallToolResult | BaseException], types.InputRequiredResult]:
+        with anyio.fail_after(60):
+            # it can ask its user (the answers are given by hand, below)
+            async with Client(server.server, mode="auto", elicitation_callback=never_answers) as client:
+                asked = await client.session.call_tool("run_code", held, allow_input_required=True)
+                assert isinstance(asked, types.InputRequiredResult) and asked.input_requests, asked
+                answer: types.InputResponses = {
+                    key: types.ElicitResult(action="accept", content={"approve": True})
+                    for key in asked.input_requests
+                }
+
+                async def retry() -> types.CallToolResult:
+                    retried = await client.session.call_tool(
+                        "run_code", held, input_responses=answer, request_state=asked.request_state,
+                        allow_input_required=True,
+                    )  # fmt: skip
+                    assert isinstance(retried, types.CallToolResult), retried
+                    return retried
+
+                retries = await asyncio.gather(retry(), retry(), return_exceptions=True)
+                other = {"code": "rm -r b", "language": "bash"}
+                next_asked = await client.session.call_tool("run_code", other, allow_input_required=True)
+                assert isinstance(next_asked, types.InputRequiredResult), next_asked
+                return list(retries), next_asked
+
+    retries, next_asked = asyncio.run(session())
+    server.close()
+    ran = [r for r in retries if isinstance(r, types.CallToolResult)]
+    refused = [r for r in retries if isinstance(r, MCPError)]
+    assert len(ran) == 1 and not ran[0].is_error, retries
+    assert len(refused) == 1 and "no call of this session waits for an answer" in str(refused[0]), retries
+    [question] = (next_asked.input_requests or {}).values()
+    assert isinstance(question, types.ElicitRequest) and "rm -r b" in question.params.message
+    starts = [
+        e.attributes["tool"]
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "tool_call"
+    ]
+    assert starts == ["run_code"], starts  # the held call ran once; the next one waits
+
+
+def test_an_accept_that_is_no_decision_is_denied_and_said_so(tmp_path: Path) -> None:
+    """Found from outside: an elicitation answered "accept" with ``{"approve": "true"}`` (no
+    boolean) was denied, rightly, but the model was told "a human denied" while the trail named
+    the client's "accept". Both say now that the answer was not a decision."""
+    server = face(tmp_path)
+
+    async def malformed(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        return types.ElicitResult(action="accept", content={"approve": "true"})
+
+    async def session() -> types.CallToolResult:
+        with anyio.fail_after(60):
+            async with Client(server.server, mode="legacy", elicitation_callback=malformed) as client:
+                return await client.call_tool("run_code", {"code": "rm -r a", "language": "bash"})
+
+    refused = asyncio.run(session())
+    server.close()
+    assert refused.is_error and "denied, as the MCP client's answer was not a decision" in text(refused)
+    assert "a human denied" not in text(refused), text(refused)
+    [actor] = [
+        e.actor
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "approval" and e.attributes["outcome"] == "denied"
+    ]
+    assert actor.startswith('mcp-client:"') and actor.endswith('(elicitation: "accept", not a decision)'), (
+        actor
+    )
