@@ -645,6 +645,40 @@ def test_an_http_connection_that_sends_nothing_is_closed_within_the_head_timeout
             assert time.monotonic() - started < 5
 
 
+def test_slow_heads_from_one_address_do_not_keep_a_client_with_the_token_out(project: Path) -> None:
+    """1,100 connections from one address, each sending a request's head a line a second and
+    opened again when closed, held all 1,000 connections the server takes before it sees a
+    token, and a client's ``initialize`` with the valid token was answered 503 for as long as
+    they lasted. An address now holds an eighth of the cap (here 2 of 16): the rest of its
+    connections are answered 503 at once, and a client on another address gets in."""
+    with serving_http(project, "--max-connections", "16") as server:
+        port = int(urllib.parse.urlsplit(server.url).port or 0)
+        with contextlib.ExitStack() as held:
+            slow = []
+            for _ in range(40):
+                sock = held.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+                with contextlib.suppress(OSError):  # a refused one may be closed already
+                    sock.sendall(b"POST /mcp HTTP/1.1\r\nX-a: b\r\n")
+                slow.append(sock)
+            answers = []
+            for sock in slow[2:]:  # all but the address's share: refused, asked nothing more
+                with contextlib.suppress(ConnectionResetError):
+                    answers.append(sock.recv(12))
+            assert set(answers) <= {b"HTTP/1.1 503", b""}, set(answers)
+            hello = {"protocolVersion": "2025-11-25", "capabilities": {},
+                     "clientInfo": {"name": "t", "version": "0"}}  # fmt: skip
+            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello}).encode()
+            head = (
+                f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {server.token}\r\n"
+                f"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode()
+            honest = ("127.0.0.2", 0)  # another address (all of 127/8 is this machine's on Linux)
+            with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=honest) as sock:
+                sock.sendall(head + body)
+                assert sock.recv(12) == b"HTTP/1.1 200"
+
+
 def test_http_bodies_that_stall_are_cut_and_their_room_given_back(project: Path) -> None:
     """Bodies had no deadline: 16 connections that each sent 4 MiB of a body and stalled held
     every byte the server takes at once, and every other client was answered 503 until they

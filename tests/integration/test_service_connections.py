@@ -7,8 +7,10 @@ the real server (uvicorn) on a real socket, its limits made short by its options
 * A body has a deadline, for tenants too: a stalled one is 408 and its connection closed.
 * A connection must send a request's head within the head timeout (idle ones, and heads sent a
   line at a time, held the server's file descriptors until it had none left).
-* Past the connection cap a new connection is refused at once; a tenant gets in again once the
-  others are gone.
+* One address holds at most its share of the connection cap: one more from it is refused at
+  once. At the cap, the connection that has waited longest for a request's head is closed for
+  a new one, so a tenant gets in (connections from one address that sent heads a line a
+  second, opened again as they were closed, held the cap and kept every tenant out).
 * Requests pipelined on one connection whose answers are never read wait in the client's own
   socket: the server reads only ~64 KiB ahead of the request it answers (it took 855 MiB of them
   in 15 s, held until the connection closed).
@@ -33,6 +35,7 @@ from tests.integration.service_env import Server, Tokens, write_tenants
 HEAD_TIMEOUT_S = 3.0
 BODY_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 8
+PER_ADDRESS = 4
 MiB = 1024 * 1024
 BODIES_MB = 4  # acme's request bodies held at once
 
@@ -43,7 +46,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
     tenants, tokens = write_tenants(folder, acme_quotas={"bodies_mb": BODIES_MB})
     limits = [
         "--head-timeout", str(HEAD_TIMEOUT_S), "--keep-alive-timeout", "1",
-        "--max-connections", str(MAX_CONNECTIONS),
+        "--max-connections", str(MAX_CONNECTIONS), "--max-connections-per-address", str(PER_ADDRESS),
         "--body-timeout", str(BODY_TIMEOUT_S), "--min-body-rate", "1024",
     ]  # fmt: skip
     server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder, extra=limits)
@@ -55,8 +58,11 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
 
 
 @contextlib.contextmanager
-def connection(server: Server, *, timeout_s: float = 10.0) -> Iterator[socket.socket]:
-    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout_s) as sock:
+def connection(
+    server: Server, *, timeout_s: float = 10.0, source: str = "127.0.0.1"
+) -> Iterator[socket.socket]:
+    """A connection to ``server`` from ``source`` (any of 127/8: this machine's on Linux)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout_s, (source, 0)) as sock:
         yield sock
 
 
@@ -135,27 +141,25 @@ def test_a_head_sent_a_line_at_a_time_is_closed_within_the_head_timeout(
     assert time.monotonic() - started < HEAD_TIMEOUT_S + 2
 
 
-def test_connections_past_the_cap_are_refused_and_a_tenant_gets_in_once_they_are_gone(
+def test_an_address_past_its_share_is_refused_and_idle_connections_give_way_to_a_tenant(
     service: tuple[Server, Tokens],
 ) -> None:
     server, tokens = service
     with contextlib.ExitStack() as held:
-        idle = [held.enter_context(connection(server)) for _ in range(MAX_CONNECTIONS)]
-        with connection(server, timeout_s=2) as extra:
+        # the cap, held by idle connections from two addresses, each its share
+        idle = [
+            held.enter_context(connection(server, source=source))
+            for source in ["127.0.0.2"] * PER_ADDRESS + ["127.0.0.3"] * PER_ADDRESS
+        ]
+        with connection(server, timeout_s=2, source="127.0.0.2") as extra:
             refused = answer(extra)  # at once, asked nothing
         assert refused == b"" or refused.startswith(b"HTTP/1.1 503 "), refused
-        assert len(idle) == MAX_CONNECTIONS
-
-    def tenant_gets_in() -> bool:  # as soon as the server has seen the others close
-        try:
-            response = httpx2.get(
-                server.url + "/v1/sandboxes", headers={"Authorization": f"Bearer {tokens.acme}"}
-            )
-        except httpx2.TransportError:
-            return False
-        return response.status_code == 200
-
-    wait_for(tenant_gets_in, what="a tenant's request once the idle connections are gone", timeout_s=5)
+        # a tenant on another address gets in: the connection idle longest is closed for it
+        with connection(server, source="127.0.0.4") as sock:
+            lines = ["GET /v1/sandboxes HTTP/1.1", "Host: stockade", f"Authorization: Bearer {tokens.acme}"]
+            sock.sendall(("\r\n".join([*lines, "Connection: close"]) + "\r\n\r\n").encode())
+            assert answer(sock).startswith(b"HTTP/1.1 200 ")
+        assert answer(idle[0]) == b""
 
 
 def refused_for_bodies(answered: bytes) -> bool:

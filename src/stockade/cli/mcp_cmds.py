@@ -121,6 +121,27 @@ def mcp(
             "opening, or its previous response); then it is closed",
         ),
     ] = 10.0,
+    keep_alive_timeout: Annotated[
+        int, typer.Option("--keep-alive-timeout", min=1, help="http: seconds an idle connection is kept open")
+    ] = 5,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            "--max-connections",
+            min=1,
+            help="http: connections open at once; one more closes the one waiting longest for its "
+            "request's head, or is answered 503 and closed when none waits (at most half of ulimit -n)",
+        ),
+    ] = 1000,
+    max_per_address: Annotated[
+        int | None,
+        typer.Option(
+            "--max-connections-per-address",
+            min=1,
+            help="http: connections one client address (IPv6: its /64) may hold at once, loopback too; "
+            "one more is answered 503 and closed. Default: an eighth of --max-connections",
+        ),
+    ] = None,
     body_timeout: Annotated[
         float,
         typer.Option(
@@ -216,7 +237,10 @@ def mcp(
             face, lambda: serve_http(
                 face, host=host, port=port, token=token, max_sessions=max_sessions,
                 allowed_origins=tuple(allow_origin or ()),
-                connections=ConnectionLimits(head_timeout_s=head_timeout),
+                connections=ConnectionLimits(
+                    head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout,
+                    max_connections=max_connections, max_per_address=max_per_address,
+                ),
                 body_timeout_s=body_timeout, min_body_rate=float(min_body_rate),
             ),
         )  # fmt: skip

@@ -126,10 +126,20 @@ def serve(
         int,
         typer.Option(
             "--max-connections", min=1,
-            help="connections open at once; one more is answered 503 and closed (at most half of the "
-            "process's file descriptors, ulimit -n: the rest stay for sandboxes and the database)",
+            help="connections open at once; one more closes the one waiting longest for its request's "
+            "head, or is answered 503 and closed when none waits (at most half of the process's file "
+            "descriptors, ulimit -n: the rest stay for sandboxes and the database)",
         ),
     ] = 1000,
+    max_per_address: Annotated[
+        int | None,
+        typer.Option(
+            "--max-connections-per-address", min=1,
+            help="connections one client address (IPv6: its /64) may hold at once, loopback too; one "
+            "more is answered 503 and closed. Default: an eighth of --max-connections. Behind a reverse "
+            "proxy every connection is the proxy's: raise it to --max-connections",
+        ),
+    ] = None,
     body_timeout: Annotated[
         float,
         typer.Option(
@@ -160,8 +170,9 @@ def serve(
 
     try:
         connections = ConnectionLimits(
-            head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout, max_connections=max_connections
-        )
+            head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout, max_connections=max_connections,
+            max_per_address=max_per_address,
+        )  # fmt: skip
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
             visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,

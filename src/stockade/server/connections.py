@@ -16,6 +16,18 @@ h11 protocol with two additions:
 * a **connection cap**: past ``max_connections`` open at once, a new connection is answered
   503 and closed at once. Not uvicorn's ``limit_concurrency``: that answers 503 only once a
   request's head has come, and keeps an idle connection open meanwhile, which is the attack.
+* a **share per address**: one client address (an IPv6 one by its /64, the block a host is
+  given) holds at most ``per_address`` of them (an eighth of the cap unless told), loopback as
+  any other; one more from it is answered 503 and closed. 1,100 connections from one address
+  that each sent a head a line a second, re-opened as they were closed, held the cap of 1,000,
+  and a client with a valid token was answered 503 for as long as they lasted.
+* **room made from heads that keep the cap waiting**: at the cap, a new connection closes the
+  one that has waited longest for its request's head (opened, or idle since its last answer)
+  rather than being refused: a head sent whole comes in a round trip, so slow heads from any
+  number of addresses give way to the clients that say what they want, as nginx closes its
+  idle keep-alive connections when it runs out of them. A connection whose head has come (a
+  body being read, an answer or an event stream being sent) is never closed for room; with
+  only those open, a new one is refused.
 * a **bound on what is read ahead**: h11 keeps whatever the socket gives it and bounds only an
   event not yet whole (a head, 16 KiB), not whole requests pipelined behind the one being
   answered; uvicorn reads from the socket again each time a request asks for its body or is
@@ -24,17 +36,22 @@ h11 protocol with two additions:
   answer. The socket is now read only while h11 holds at most ``READ_AHEAD_BYTES``: past it the
   client waits in its own socket's buffers until the requests before are answered.
 
-What remains is a flood from many clients: each under the cap's share, together they hold the
-cap, and a tenant's new connection is refused until they time out. Spreading a cap per
-client address, and TLS, are a reverse proxy's job in front of ``stockade serve``.
+What remains is a flood from many addresses of requests whose heads come whole and whose
+bodies trickle at the minimum rate (``server/guard.py``): those are not closed for room. A
+connection rate per address, and TLS, are a reverse proxy's job; behind one, every connection
+comes from its address, so ``per_address`` must be raised to the cap (``stockade serve
+--max-connections-per-address``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import ipaddress
 import logging
 import resource
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -44,7 +61,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stockade import exceptions as exc
 
-__all__ = ["READ_AHEAD_BYTES", "ConnectionLimits", "GuardedH11Protocol", "guarded_protocol"]
+__all__ = [
+    "PER_ADDRESS_SHARE", "READ_AHEAD_BYTES", "ConnectionLimits", "GuardedH11Protocol", "address_of",
+    "guarded_protocol",
+]  # fmt: skip
 
 log = logging.getLogger("stockade.server")
 
@@ -57,6 +77,9 @@ _REFUSED = (
     b"too many connections: retry shortly"
 )
 _WARN_EVERY_S = 10.0
+# one address's share of the cap unless told: a few busy clients behind one NAT fit in it, and
+# eight addresses are needed to hold the cap with connections that are not closed for room
+PER_ADDRESS_SHARE = 8
 # What h11 may hold of a connection's requests not yet answered before its socket is no longer
 # read; a read takes up to 256 KiB more, so a connection holds ~320 KiB at most
 READ_AHEAD_BYTES = 64 * 1024
@@ -64,18 +87,29 @@ READ_AHEAD_BYTES = 64 * 1024
 
 @dataclass(frozen=True, kw_only=True)
 class ConnectionLimits:
-    """``stockade serve``'s figures for its HTTP connections (``--head-timeout``,
-    ``--keep-alive-timeout``, ``--max-connections``)."""
+    """The figures for the HTTP connections of ``stockade serve`` and ``stockade mcp``
+    (``--head-timeout``, ``--keep-alive-timeout``, ``--max-connections``,
+    ``--max-connections-per-address``). ``max_per_address`` None: an eighth of the cap."""
 
     head_timeout_s: float = 10.0
     keep_alive_s: int = 5
     max_connections: int = 1000
+    max_per_address: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.head_timeout_s > 0 and self.keep_alive_s > 0 and self.max_connections > 0):
+        figures = (self.head_timeout_s, self.keep_alive_s, self.max_connections, self.per_address)
+        if not all(figure > 0 for figure in figures):
             raise exc.ConfigurationError(
-                "the head timeout, the keep-alive timeout and max_connections must be positive"
+                "the head timeout, the keep-alive timeout, max_connections and max_per_address must "
+                "be positive"
             )
+
+    @property
+    def per_address(self) -> int:
+        """The connections one address may hold at once (at most the cap)."""
+        if self.max_per_address is None:
+            return max(1, self.max_connections // PER_ADDRESS_SHARE)
+        return min(self.max_per_address, self.max_connections)
 
     def fitted(self) -> ConnectionLimits:
         """These limits with ``max_connections`` at most half the process's file descriptors
@@ -89,9 +123,7 @@ class ConnectionLimits:
             "(ulimit -n) stay for sandboxes and the database",
             self.max_connections, room, soft,
         )  # fmt: skip
-        return ConnectionLimits(
-            head_timeout_s=self.head_timeout_s, keep_alive_s=self.keep_alive_s, max_connections=max(1, room)
-        )
+        return dataclasses.replace(self, max_connections=max(1, room))
 
 
 class _BoundedFlow(FlowControl):
@@ -108,21 +140,98 @@ class _BoundedFlow(FlowControl):
             super().resume_reading()
 
 
+def address_of(client: tuple[str, int] | None) -> str | None:
+    """The address whose share a connection from ``client`` counts in: its IP, an IPv6 one by
+    its /64 (a host is given a whole one; an IPv4 one mapped into IPv6 as itself). None: no
+    address (a Unix socket's peer)."""
+    if client is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(client[0])
+    except ValueError:
+        return client[0]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class _Held:
+    """The connections one server holds: how many from each address, and those waiting for a
+    request's head, the one that has waited longest first."""
+
+    def __init__(self) -> None:
+        self.open: set[GuardedH11Protocol] = set()
+        self.by_address: Counter[str] = Counter()
+        self.waiting: dict[GuardedH11Protocol, None] = {}  # ordered: oldest first
+        self.warned: dict[str, float] = {}  # when each kind of warning was last logged
+
+    def admit(self, connection: GuardedH11Protocol) -> None:
+        self.open.add(connection)
+        if connection.address is not None:
+            self.by_address[connection.address] += 1
+
+    def release(self, connection: GuardedH11Protocol) -> None:
+        self.waiting.pop(connection, None)
+        if connection not in self.open:
+            return
+        self.open.discard(connection)
+        if connection.address is not None:
+            self.by_address[connection.address] -= 1
+            if not self.by_address[connection.address]:
+                del self.by_address[connection.address]
+
+    def close_longest_waiting(self) -> bool:
+        """Close the connection that has waited longest for a request's head: False if none
+        waits (every one open is reading a body or sending an answer)."""
+        if not self.waiting:
+            return False
+        oldest = next(iter(self.waiting))
+        self.release(oldest)
+        oldest.close_for_room()
+        return True
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.warned.get(kind, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+            self.warned[kind] = now
+            log.warning(message, *args)
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a head timeout, a connection cap (``limits``) and a bound on
-    what it reads ahead of the request being answered."""
+    """uvicorn's h11 protocol with a head timeout, a connection cap and a share of it per
+    address (``limits``), and a bound on what it reads ahead of the request being answered."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
-    _warned: ClassVar[list[float]] = [0.0]  # when the cap was last logged, a warning per 10 s
+    held: ClassVar[_Held] = _Held()  # the server's: ``guarded_protocol`` gives each its own
+    address: str | None = None
     _head_timer: asyncio.TimerHandle | None = None
     _waiting: object = None  # the request cycle the head timer waits to see replaced
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _BoundedFlow(transport, self._buffered)
-        if len(self.connections) > self.limits.max_connections:
+        held, limits = self.held, self.limits
+        address = address_of(self.client)
+        if address is not None and held.by_address[address] >= limits.per_address:
+            held.warn(
+                "address", "%s holds %d connections (--max-connections-per-address): new ones from "
+                "it are refused", address, limits.per_address,
+            )  # fmt: skip
             self._refuse(transport)
             return
+        if len(held.open) >= limits.max_connections:
+            if not held.close_longest_waiting():
+                held.warn("cap", "%d connections open: new ones are refused", limits.max_connections)
+                self._refuse(transport)
+                return
+            held.warn(
+                "room", "%d connections open: the one waiting longest for a request's head is closed "
+                "for each new one", limits.max_connections,
+            )  # fmt: skip
+        self.address = address
+        held.admit(self)
         self._time_head()
 
     def data_received(self, data: bytes) -> None:
@@ -143,7 +252,14 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        self.held.release(self)
         super().connection_lost(exc)
+
+    def close_for_room(self) -> None:
+        """Closed, its head not come, for a new connection past the cap."""
+        self._stop_timer()
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def _buffered(self) -> int:
         """The bytes h11 holds and has not yet turned into events (whole requests pipelined
@@ -152,10 +268,6 @@ class GuardedH11Protocol(H11Protocol):
         return len(self.conn._receive_buffer)
 
     def _refuse(self, transport: asyncio.Transport) -> None:
-        now = time.monotonic()
-        if now - self._warned[0] > _WARN_EVERY_S:
-            self._warned[0] = now
-            log.warning("%d connections open: new ones are refused", self.limits.max_connections)
         transport.write(_REFUSED)
         transport.close()
 
@@ -163,18 +275,22 @@ class GuardedH11Protocol(H11Protocol):
         self._stop_timer()
         self._waiting = self.cycle
         self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+        if self in self.held.open:  # last of those waiting
+            self.held.waiting[self] = None
 
     def _stop_timer(self) -> None:
+        self.held.waiting.pop(self, None)
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
+        self.held.waiting.pop(self, None)
         if not self.transport.is_closing():
             self.transport.close()
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
     """``GuardedH11Protocol`` with ``limits`` (give it as uvicorn's ``http``)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "held": _Held()})
