@@ -11,7 +11,7 @@ installs next (``_seccomp``) refuses every call that makes, joins or changes a n
 a mount (unshare, setns, clone's namespace flags, mount, umount2, pivot_root, the new mount
 API), for it and all it starts: code cannot make a view where the flag is cleared.
 
-Standard library only: calls go through ``reaper.libc``, buffers are pinned by
+Standard library only: calls go through ``libc.libc``, buffers are pinned by
 ``confine._pinned``.
 """
 
@@ -21,7 +21,7 @@ import os
 import struct
 
 from confine import _pinned
-from reaper import libc
+from libc import libc
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
