@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ import pytest
 
 from stockade import Limits, Sandbox
 from stockade import exceptions as exc
+from stockade.sandbox.docker import DockerBackend
 from tests.conftest import host_processes, require, require_tier, shared_host, wait_for
 
 pytestmark = pytest.mark.docker
@@ -163,3 +168,31 @@ def test_dockerd_stopping_mid_run_is_retryable_and_leaks_nothing(engine: Any) ->
     with Sandbox.create("docker") as again:
         assert again.commands.run("echo back").stdout == "back\n"
     assert our_containers(engine) == []
+
+
+@pytest.fixture
+def image_without_python(engine: Any) -> Iterator[str]:
+    """An image of one empty /tmp: no python to compile the supervisor with (removed after)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tmp = tarfile.TarInfo("tmp")
+        tmp.type, tmp.mode = tarfile.DIRTYPE, 0o1777
+        tar.addfile(tmp)
+    repository, tag = "stockade-test-no-python", secrets.token_hex(4)
+    engine.import_image_from_data(buf.getvalue(), repository=repository, tag=tag)
+    yield f"{repository}:{tag}"
+    engine.remove_image(f"{repository}:{tag}")
+
+
+def test_a_supervisor_left_uncompiled_is_logged_once_with_why(
+    image_without_python: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Without bytecode each start compiles the supervisor's modules: the backend says so
+    # once (not at every start), with the engine's reason.
+    backend = DockerBackend(image=image_without_python, state_dir=tmp_path)
+    for _ in range(2):
+        with pytest.raises(exc.ConfigurationError, match="python3"):
+            Sandbox.create(backend=backend, limits=Limits(timeout_s=10))
+    (logged,) = [r.getMessage() for r in caplog.records if "bytecode" in r.getMessage()]
+    assert image_without_python in logged and '"python3": executable file not found' in logged
+    assert "compiles its modules as it starts instead" in logged

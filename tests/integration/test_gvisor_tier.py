@@ -15,6 +15,7 @@ import pytest
 from stockade import Limits, Sandbox
 from stockade.sandbox._supervised_config import WORKSPACE
 from stockade.sandbox.base import Backend
+from stockade.sandbox.docker import DockerBackend
 from stockade.sandbox.gvisor import GVisorBackend, RunscBackend
 from stockade.types import SandboxRules
 from tests.conftest import require, require_tier
@@ -57,6 +58,29 @@ def test_runsc_without_docker_refuses_network(direct: RunscBackend) -> None:
 
     with pytest.raises(exc.LimitNotEnforceable):
         Sandbox.create(backend=direct, network=NetworkPolicy(enabled=True))
+
+
+def test_gvisor_under_docker_loads_the_supervisor_from_bytecode_compiled_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The image's own python compiles the supervisor once per image, in a helper container:
+    # under gVisor too, whose writes to a container's root filesystem the engine cannot read.
+    def gvisor_under_docker() -> DockerBackend:
+        return DockerBackend(runtime="runsc", tier="gvisor", own_kernel=True, state_dir=tmp_path)
+
+    backend = gvisor_under_docker()
+    require("gVisor under Docker", backend.probe().available)
+    with Sandbox.create(backend=backend, limits=Limits(timeout_s=20)) as sbx:
+        cached = sbx.commands.run(["ls", "/opt/stockade/__pycache__"]).stdout.split()
+    assert any(name.startswith("supervisor.") and name.endswith(".pyc") for name in cached)
+    assert not [r for r in caplog.records if "bytecode" in r.getMessage()]
+    (folder,) = tmp_path.glob("supervisor-*")
+    compiled = {p.name: p.stat().st_ino for p in folder.glob("__pycache__/*.pyc")}
+    # Once, not per start nor per backend: the next backend's sandboxes load the same files.
+    with Sandbox.create(backend=gvisor_under_docker(), limits=Limits(timeout_s=20)) as sbx:
+        assert sbx.run_code("x = 41").error is None
+        assert sbx.run_code("x + 1").text == "42"
+    assert {p.name: p.stat().st_ino for p in folder.glob("__pycache__/*.pyc")} == compiled
 
 
 def test_the_mode_is_a_setting() -> None:

@@ -20,7 +20,13 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host, _thrash
 from stockade.sandbox._boundary import EgressHandle
-from stockade.sandbox._docker_engine import engine_error, engine_failures, remove_container, remove_exited
+from stockade.sandbox._docker_engine import (
+    AttachStream,
+    engine_error,
+    engine_failures,
+    remove_container,
+    remove_exited,
+)
 from stockade.sandbox._docker_rundirs import release_mounts
 from stockade.sandbox._docker_settings import START_TIMEOUT_S
 from stockade.sandbox._gvisor_memory import EGRESS_REFUSAL, ContainerMemory
@@ -194,11 +200,14 @@ def undo_start(
     cid: str,
     created: Create | None,
     name: str,
+    stream: AttachStream | None,
     egress: EgressHandle | None,
     rundir: Path | None,
     mounts: list[Path],
 ) -> None:
     """What a failed start holds, let go; may run twice (again at exit, when interrupted)."""
+    if stream is not None:  # a start the engine refused: its attach socket is ours to close
+        stream.close()
     if egress is not None:
         egress.close()
     if not cid and created is not None:  # interrupted while the engine made it

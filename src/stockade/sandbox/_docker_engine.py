@@ -69,7 +69,7 @@ def engine_error(err: BaseException, *, image: str = "", runtime: str | None = N
         status = err.status_code or 0
         if status == 409:
             return exc.SandboxStartError(f"Docker refused a conflicting request: {detail}")
-        if status == 400 and "runtime" in detail.lower():
+        if status == 400 and "unknown runtime" in detail.lower():
             return exc.ConfigurationError(
                 f"Docker has no runtime {runtime!r}: {detail}; register it (scripts/setup-docker.sh)"
             )

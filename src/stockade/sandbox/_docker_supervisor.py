@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import secrets
 import tarfile
 import time
@@ -19,12 +20,26 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _builds, _guest
-from stockade.sandbox._docker_engine import docker_py, mapped_engine_errors, no_logs, remove_container
+from stockade.sandbox._docker_engine import (
+    docker_py,
+    engine_failures,
+    mapped_engine_errors,
+    no_logs,
+    remove_container,
+)
 from stockade.sandbox._docker_settings import START_TIMEOUT_S, DockerSettings
 from stockade.sandbox.base import SandboxSpec
 
-COMPILED = "/tmp/stockade-compiled.json"
+log = logging.getLogger(__name__)
+
+# The compile helper's /tmp: a volume of its own, which the engine reads on its host whatever
+# the runtime (gVisor keeps what a container writes to its root filesystem in its own kernel,
+# out of the engine's reach). At /tmp, an empty volume takes the image's /tmp mode (1777).
+WORK = "/tmp"
+COMPILED = f"{WORK}/stockade-compiled.json"
+COMPILE_ERRORS = f"{WORK}/stockade-compile.err"
 MAX_COMPILED = 16 * 1024 * 1024
+MAX_ERRORS = 2000  # the tail of a failed compile's stderr, in the log
 
 
 def _tar(files: Mapping[str, bytes | str], folder: str = "") -> bytes:
@@ -83,8 +98,11 @@ class SupervisorFiles(DockerSettings):
         self._supervisor_source = (folder, source)
         return source
 
-    def _helper(self, api: Any, command: list[str], binds: dict[str, dict[str, str]]) -> str:
-        """A container that does one chore with the image, labelled like a sandbox for gc."""
+    def _helper(
+        self, api: Any, command: list[str], binds: dict[str, dict[str, str]], volumes: tuple[str, ...] = ()
+    ) -> str:
+        """A container that does one chore with the image, labelled like a sandbox for gc.
+        ``volumes``: where it gets an anonymous volume (removed with it, ``remove_container``)."""
         host_config = api.create_host_config(
             network_mode="none",
             binds=binds,
@@ -98,6 +116,7 @@ class SupervisorFiles(DockerSettings):
         created = api.create_container(
             self.image,
             command=command,
+            volumes=list(volumes) or None,
             user=f"{_guest.SANDBOX_UID}:{_guest.SANDBOX_UID}",
             network_disabled=True,
             labels=self._labels(SandboxSpec(), "helper-" + secrets.token_hex(4)),
@@ -106,28 +125,49 @@ class SupervisorFiles(DockerSettings):
         return str(created["Id"])
 
     def _compile(self, api: Any, folder: Path, image_id: str) -> None:
-        """Best effort: without bytecode, the supervisor compiles itself on every start.
+        """Best effort: without bytecode, the supervisor compiles its modules at every start
+        (~30 ms of each under gVisor), which a failure here logs once per backend.
 
-        The helper writes its output to a file, fetched from the stopped container: it has
-        no log (``no_logs``) to read it from.
+        The helper writes its output to files in its own /tmp volume (``WORK``), fetched from
+        the stopped container: it has no log (``no_logs``) to read them from, and under gVisor
+        the engine cannot read what it wrote to its root filesystem.
         """
-        to_file = f"import sys\nsys.stdout = open({COMPILED!r}, 'w')\n"
-        argv = ["python3", "-S", "-E", "-s", "-c", to_file + _guest.COMPILE, "/tmp/stockade-src"]
+        to_file = (
+            f"import sys\nsys.stderr = open({COMPILE_ERRORS!r}, 'w')\nsys.stdout = open({COMPILED!r}, 'w')\n"
+        )
+        argv = ["python3", "-S", "-E", "-s", "-c", to_file + _guest.COMPILE, f"{WORK}/stockade-src"]
         cid = ""
         try:
             with mapped_engine_errors(self.image, self.runtime):
-                cid = self._helper(api, argv, {})
-                api.put_archive(cid, "/tmp", _tar(_guest.python_sources(folder), folder="stockade-src"))
+                cid = self._helper(api, argv, {}, volumes=(WORK,))
+                api.put_archive(cid, WORK, _tar(_guest.python_sources(folder), folder="stockade-src"))
                 api.start(cid)
                 status = api.wait(cid, timeout=START_TIMEOUT_S).get("StatusCode")
-                out = _fetch_file(api, cid, COMPILED) if status == 0 else b""
-            if status == 0:
-                _guest.install_bytecode(folder, image_id, json.loads(out))
-        except (exc.StockadeError, ValueError, KeyError, OSError, tarfile.TarError):
-            pass
+                if status != 0:
+                    raise ValueError(f"its python exited with {status}: {self._compile_errors(api, cid)}")
+                out = _fetch_file(api, cid, COMPILED)
+            _guest.install_bytecode(folder, image_id, json.loads(out))
+        except (exc.StockadeError, ValueError, KeyError, OSError, tarfile.TarError) as err:
+            log.warning(
+                "the supervisor's bytecode for image %s (runtime %s) was not compiled: %s; each "
+                "sandbox's supervisor compiles its modules as it starts instead",
+                self.image,
+                self.runtime or "default",
+                err,
+            )
         finally:
             if cid:
                 remove_container(api, cid)
+
+    @staticmethod
+    def _compile_errors(api: Any, cid: str) -> str:
+        """The tail of what a failed compile wrote to its stderr, for the log."""
+        unread: tuple[type[BaseException], ...] = (*engine_failures(), ValueError, tarfile.TarError)
+        try:
+            text = _fetch_file(api, cid, COMPILE_ERRORS).decode(errors="replace").strip()
+        except unread as err:
+            return f"(its errors unread: {err})"
+        return text[-MAX_ERRORS:] or "(nothing on its stderr)"
 
     def _fill_volume(self, api: Any, folder: Path, image_id: str) -> str:
         """A volume holding the supervisor folder, for engines that cannot see this host's files.

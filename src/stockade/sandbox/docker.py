@@ -261,6 +261,7 @@ class DockerBackend(DockerPlan, SupervisorFiles):
         lease = _host.lease_uid(self.state_dir)
         cid = ""
         created: Create | None = None
+        stream: AttachStream | None = None
         # Docker's embedded DNS answers every container of stockade-net with its name (a
         # reverse lookup of an address too), and no option of the engine keeps a container
         # out of it: a full-network sandbox's name tells the others nothing of its id.
@@ -344,6 +345,7 @@ class DockerBackend(DockerPlan, SupervisorFiles):
                 cid=cid,
                 created=created,
                 name=name,
+                stream=stream,
                 egress=egress,
                 rundir=rundir,
                 mounts=mounts,

@@ -57,6 +57,15 @@ def test_a_missing_runtime_names_the_setup_script() -> None:
     assert isinstance(mapped, exc.ConfigurationError) and "setup-docker.sh" in str(mapped)
 
 
+def test_an_image_without_its_program_is_not_told_to_register_a_runtime() -> None:
+    # The OCI runtime reports an exec that failed ("OCI runtime create failed"): the runtime
+    # is there, the image lacks the program.
+    refused = 'OCI runtime create failed: exec: "python3": executable file not found in $PATH'
+    mapped = engine_error(api_error(400, refused))
+    assert isinstance(mapped, exc.ConfigurationError) and "python3" in str(mapped)
+    assert "setup-docker.sh" not in str(mapped) and "no runtime" not in str(mapped)
+
+
 @pytest.mark.parametrize("where", ["base_url", "DOCKER_HOST"])
 def test_no_engine_is_retryable_and_leaves_no_socket_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
