@@ -113,3 +113,46 @@ def test_a_seed_repository_keeps_its_own_config_but_not_a_hook_code_added(tmp_pa
     assert (dest / ".git/config").read_bytes() == config, output  # byte for byte the seed's: kept
     assert not (dest / ".git/hooks/post-checkout").exists()
     assert "'.git/hooks/post-checkout'" in " ".join(output.split())
+
+
+# What the run's code does in a husky repository: writes the hooks git runs from its
+# `core.hooksPath`, a git-ignored folder in the worktree (`git status` shows nothing there).
+HUSKY = """\
+import os
+for hook in ('pre-commit', 'post-checkout'):
+    open('.husky/_/' + hook, 'w').write('#!/bin/sh\\ntouch {marker}\\n')
+    os.chmod('.husky/_/' + hook, 0o755)
+open('a.txt', 'a').write('b\\n')
+"""
+
+
+@pytest.mark.process
+def test_hooks_planted_where_the_seeds_hooks_path_points_never_reach_the_host(tmp_path: Path) -> None:
+    require_tier("process")
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    workspace = tmp_path / "ws"
+    (workspace / ".husky/_").mkdir(parents=True)
+    (workspace / ".husky/_/.gitignore").write_text("*\n")
+    (workspace / "a.txt").write_text("a\n")
+    env = {
+        **os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@example.com",
+        "GIT_COMMITTER_NAME": "a", "GIT_COMMITTER_EMAIL": "a@example.com",
+    }  # fmt: skip
+
+    def git(folder: Path, *args: str) -> None:
+        subprocess.run(["git", *args], cwd=folder, env=env, capture_output=True, check=True)
+
+    git(workspace, "init", "-q")
+    git(workspace, "config", "core.hooksPath", ".husky/_")
+    git(workspace, "add", "-A")
+    git(workspace, "commit", "-qm", "start")
+    marker = tmp_path / "ran"
+    everything = POLICY.replace('deny = [".git/**", "secrets/**"]\n', "")
+    dest, output = run_and_export(tmp_path, workspace, HUSKY.format(marker=marker), everything)
+    git(dest, "commit", "-qam", "the run's change")
+    git(dest, "checkout", "-q", "-b", "review")
+    assert not marker.exists()
+    assert "'.husky/_/post-checkout', '.husky/_/pre-commit'" in " ".join(output.split())
+    assert (dest / "a.txt").read_text() == "a\nb\n" and (dest / ".husky/_/.gitignore").exists()

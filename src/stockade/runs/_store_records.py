@@ -24,7 +24,7 @@ from stockade.runs._db import Statement
 from stockade.runs._mac import insert, select
 from stockade.runs._schema import as_float, as_int
 from stockade.runs._store_parts import StoreParts, check_run_id
-from stockade.runs.handback import Exported
+from stockade.runs.handback import Exported, SeedFiles
 from stockade.runs.records import ApprovalEntry, RetryEntry, RunSetup, WorkspaceUsage
 from stockade.sandbox.facade import Sandbox
 
@@ -98,8 +98,8 @@ class RunRecords(StoreParts):
         setup = self.setup(run_id)
         return None if setup is None else PolicyEngine(setup.policy, role=setup.role).hands_back
 
-    def seed_files(self, run_id: str) -> dict[str, str]:
-        """The SHA-256 (hex) of each file the run started with, by path (empty: none kept)."""
+    def seed_files(self, run_id: str) -> SeedFiles:
+        """The files the run started with, and what their repositories' config names as commands."""
         check_run_id(run_id)
         return self._workspaces.seed_files(run_id)
 

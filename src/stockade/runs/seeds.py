@@ -28,11 +28,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
+from stockade._vcs import configured
+from stockade.runs.handback import FileState, SeedFiles
 from stockade.sandbox._archive import Extraction
 from stockade.sandbox._archive_gzip import Inflated
 from stockade.sandbox._requests import open_entry, unreadable, upload_entries
 
-__all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "seed_digests", "unpack_seed"]
+__all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "seed_files", "unpack_seed"]
 
 MAX_SEED_BYTES = 64 * 1024 * 1024  # of file content, before compression
 
@@ -121,14 +123,20 @@ def unpack_seed(data: bytes, dest: str | Path) -> None:
         raise exc.RunStoreError(f"the stored workspace cannot be unpacked: {error}") from error
 
 
-def seed_digests(data: bytes) -> dict[str, str]:
-    """The SHA-256 (hex) of each regular file a seed holds, by its path: what an export checks
-    a file against before it hands back one of a repository's command files (``stockade._vcs``)."""
-    found: dict[str, str] = {}
+def seed_files(data: bytes) -> SeedFiles:
+    """The content digest and executable bit of each regular file a seed holds, by its path, and
+    what its repositories' config names as commands: what an export checks a file against
+    before it hands back one of a repository's command files (``stockade._vcs``)."""
+    found: dict[str, FileState] = {}
     # a seed the host packed (``pack_workspace``): its files are capped at MAX_SEED_BYTES
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data)), mode="r:") as tar:
-        for member in tar:
-            content = tar.extractfile(member) if member.isfile() else None
-            if content is not None:
-                found[member.name] = hashlib.sha256(content.read()).hexdigest()
-    return found
+        members = {member.name: member for member in tar if member.isfile()}
+
+        def read(name: str) -> bytes | None:
+            content = tar.extractfile(members[name]) if name in members else None
+            return None if content is None else content.read()
+
+        for name, member in members.items():
+            found[name] = FileState.of_mode(hashlib.sha256(read(name) or b"").hexdigest(), member.mode)
+        folders = [member.name for member in tar if member.isdir()]
+        return SeedFiles(files=found, configured=configured(read, members, folders))

@@ -27,9 +27,9 @@ from stockade.runs._db import Database, Statement
 from stockade.runs._mac import select
 from stockade.runs._schema import as_int
 from stockade.runs.checkpoints import Checkpoints
-from stockade.runs.handback import Exported, withheld
+from stockade.runs.handback import Exported, FileState, SeedFiles, withheld
 from stockade.runs.records import WorkspaceUsage
-from stockade.runs.seeds import pack_workspace, seed_digests, unpack_seed
+from stockade.runs.seeds import pack_workspace, seed_files, unpack_seed
 from stockade.runs.workspace import Entry, Scan, WorkspaceTracker, decode_entry, relative_path, restore
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import ReadFile
@@ -231,7 +231,11 @@ class WorkspaceHistory:
         entries, version = self._stored(run_id)
         if version == 0:
             raise exc.ConfigurationError(f"run {run_id!r} recorded no workspace in {self._where}")
-        files = {p: e.digest for p, e in entries.items() if e.kind == "file" and relative_path(p)}
+        files = {
+            p: FileState.of_mode(e.digest, e.mode)
+            for p, e in entries.items()
+            if e.kind == "file" and relative_path(p)
+        }
         folders = [p for p, e in entries.items() if e.kind == "dir"]
         left = withheld(files, folders, seed=self.seed_files(run_id), keep=keep)
         skipped = {*left.commands, *left.refused}
@@ -330,7 +334,8 @@ class WorkspaceHistory:
         unpack_seed(data, dest)
         return True
 
-    def seed_files(self, run_id: str) -> dict[str, str]:
-        """The SHA-256 (hex) of each file the run started with, by path; empty when no seed was kept."""
+    def seed_files(self, run_id: str) -> SeedFiles:
+        """The files the run started with (digest, executable bit) and what their repositories'
+        config names as commands; empty when no seed was kept."""
         data = self._seed_data(run_id)
-        return {} if data is None else seed_digests(data)
+        return SeedFiles() if data is None else seed_files(data)
