@@ -26,10 +26,11 @@ from types import TracebackType
 from stockade import _exit
 from stockade import exceptions as exc
 from stockade._checks import check_id, check_number
+from stockade.audit._store_append import check_chain
 from stockade.audit.events import AuditEvent, Chain, Draft, EventKind
 from stockade.audit.redact import Redactor
 from stockade.audit.sealing import Sealer
-from stockade.audit.stores import AuditStore, check_chain
+from stockade.audit.stores import AuditStore
 
 __all__ = ["AuditLog"]
 

@@ -13,19 +13,11 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
+from stockade.audit._store_append import check_chain, erasures, seal_batch
+from stockade.audit._store_base import AuditStore, Head, Row, after
+from stockade.audit._store_sql import check_namespace, window_sql
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
 from stockade.audit.sealing import new_key
-from stockade.audit.stores import (
-    AuditStore,
-    Head,
-    Row,
-    after,
-    check_chain,
-    check_namespace,
-    erasures,
-    seal_batch,
-    window_sql,
-)
 
 if TYPE_CHECKING:
     import psycopg

@@ -77,8 +77,9 @@ def erase(
     in between is finished by erasing the run again, as is one whose trail never recorded it."""
     import time
 
+    from stockade.audit._store_append import check_chain
     from stockade.audit.events import Chain, Draft, EventKind
-    from stockade.audit.stores import check_chain, open_store
+    from stockade.audit.stores import open_store
     from stockade.audit.verify import unrecorded_erasures
     from stockade.policy.approval import ApprovalStore
     from stockade.runs.snapshots import erase_run_snapshots

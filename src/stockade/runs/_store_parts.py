@@ -12,8 +12,8 @@ import threading
 
 from stockade import exceptions as exc
 from stockade._checks import check_id
+from stockade.audit._store_sql import check_namespace
 from stockade.audit.redact import Redactor
-from stockade.audit.stores import check_namespace
 from stockade.runs._db import Database, display_url
 from stockade.runs._mac import RowMac
 from stockade.runs._schema import MAC_TABLES, schema, tables

@@ -54,8 +54,8 @@ from collections.abc import Iterator, Sequence
 
 from stockade import exceptions as exc
 from stockade._checks import check_id, check_number, check_strings, check_text
+from stockade.audit._store_sql import check_namespace
 from stockade.audit.redact import Redactor
-from stockade.audit.stores import check_namespace
 from stockade.models.messages import ToolCall
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase
 from stockade.runs._store_parts import check_run_id

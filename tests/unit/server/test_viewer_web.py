@@ -18,8 +18,10 @@ import uvicorn
 from stockade.models import tool_call
 from stockade.policy.approval import ApprovalStore
 from stockade.server.viewer.data import LocalRuns
+from stockade.server.viewer.forms import csrf_token
+from stockade.server.viewer.rendering import diff_class, diff_lines
 from stockade.server.viewer.values import PAGE
-from stockade.server.viewer.web import _csrf, _diff_class, _diff_lines, local_app
+from stockade.server.viewer.web import local_app
 from tests.conftest import wait_for
 from tests.unit.server.test_viewer_data import LONG, lengthen, record
 
@@ -140,10 +142,12 @@ def test_a_decision_needs_its_form_token(viewer: tuple[str, str, str, Path]) -> 
         request_id = ApprovalStore(folder / "approvals").pending(paused)[0]["id"]
         target = f"/ui/runs/{paused}/approvals/{request_id}"
         assert c.post(target, data={"decision": "approve", "csrf": "forged"}).status_code == 403
-        assert c.post(target, data={"decision": "maybe", "csrf": _csrf(KEY)}).status_code == 400
-        missing = c.post(f"/ui/runs/{paused}/approvals/nope", data={"decision": "deny", "csrf": _csrf(KEY)})
+        assert c.post(target, data={"decision": "maybe", "csrf": csrf_token(KEY)}).status_code == 400
+        missing = c.post(
+            f"/ui/runs/{paused}/approvals/nope", data={"decision": "deny", "csrf": csrf_token(KEY)}
+        )
         assert missing.status_code == 400
-        done = c.post(target, data={"decision": "deny", "csrf": _csrf(KEY)})
+        done = c.post(target, data={"decision": "deny", "csrf": csrf_token(KEY)})
         assert done.status_code == 303 and done.headers["location"] == f"/ui/runs/{paused}"
     assert ApprovalStore(folder / "approvals").pending(paused) == []
 
@@ -229,10 +233,10 @@ def test_a_diffs_lines_end_at_newlines_alone() -> None:
     diff, classed by its own first character: ``str.splitlines`` made the rest of it a line
     of its own, drawn as removed when it began with ``-``."""
     diff = "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-old\n+new\x0c-not removed\x0b+\u2028-either\n"
-    lines = _diff_lines(diff)
-    assert [_diff_class(line) for line in lines] == ["file", "file", "hunk", "del", "add"]
+    lines = diff_lines(diff)
+    assert [diff_class(line) for line in lines] == ["file", "file", "hunk", "del", "add"]
     assert lines[-1] == "+new\x0c-not removed\x0b+\u2028-either"
-    assert _diff_lines("") == [] and _diff_lines("+a") == ["+a"]
+    assert diff_lines("") == [] and diff_lines("+a") == ["+a"]
 
 
 async def test_a_long_runs_page_is_one_window_and_a_live_update_only_whats_new(tmp_path: Path) -> None:

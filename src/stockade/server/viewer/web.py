@@ -27,37 +27,35 @@ hours, never the API token (``sessions.py``), which sign-out ends everywhere. Fo
 token derived from it (CSRF), and sign-in and sign-out take a form only from the viewer's own
 pages (``Sec-Fetch-Site``, else ``Origin``): another site's form cannot sign a browser in to a
 tenant of its choosing.
+
+Apart from the routes: who a cookie is (``auth.py``), the headers every page carries
+(``headers.py``), the templates and their filters (``rendering.py``), what a posted form is
+checked for (``forms.py``) and a live page's event stream (``live.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import hashlib
 import hmac
 import importlib.resources
-import json
 import re
-from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
-from typing import Annotated, Any, Protocol
-from urllib.parse import quote, urlencode, urlsplit
+from typing import Annotated, Any
+from urllib.parse import quote, urlencode
 
-import anyio
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import __version__
 from stockade import exceptions as exc
-from stockade._display import visible
 from stockade.policy.approval import Choice
-from stockade.server.streams import HeldStream, StreamSlot, StreamSlots
-from stockade.server.viewer.data import ServiceRuns
-from stockade.server.viewer.sessions import Sessions
+from stockade.server.streams import HeldStream
+from stockade.server.viewer.auth import KeyAuth, ServiceAuth, ViewerAuth
+from stockade.server.viewer.forms import CROSS_SITE, csrf_token, parse_time, same_site
+from stockade.server.viewer.headers import CSP, HEADERS, ViewerHeaders
+from stockade.server.viewer.live import blocking, changes
+from stockade.server.viewer.rendering import templates
 from stockade.server.viewer.values import (
     LATEST,
-    SETTLED,
     STATUSES,
     Filters,
     RunSource,
@@ -68,243 +66,14 @@ from stockade.server.viewer.values import (
 __all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "ViewerHeaders", "local_app", "viewer_router"]
 
 COOKIE = "stockade_viewer"
-CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-)
-HEADERS = {
-    "Content-Security-Policy": CSP,
-    "X-Content-Type-Options": "nosniff",
-    "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
 STATIC = {
     "viewer.css": "text/css; charset=utf-8",
     "viewer.js": "text/javascript; charset=utf-8",
     "icon.svg": "image/svg+xml",
 }
-POLL_S = 0.5
-# a run that waits for someone (an approval; a look at why its actions failed): its stream ends
-# as the API's does, and the page comes back for it now and then (viewer.js)
-WAITING = frozenset({"paused", "broken"})
-LOCAL_STREAMS = 16  # `stockade ui`'s streams open at once (the service's: ServiceConfig.max_streams)
 MAX_SEQ = 2**62  # as the API's `after`: a bigger number is no sequence number the database holds
 # where a sign-in may go on to: a plain path (printable ASCII: it becomes a Location header)
 _PLAIN_PATH = re.compile(r"[!-~]*")
-
-
-class ViewerHeaders:
-    """ASGI middleware: every response under the viewer's ``prefix`` carries ``HEADERS`` (those
-    it does not set itself), FastAPI's own too: its 404 for a path no route has, its 405, its
-    422 for a query that does not parse, which carried no CSP, no ``nosniff``, no frame
-    refusal (a page a browser would render from them unconfined)."""
-
-    def __init__(self, app: ASGIApp, *, prefix: str = "/ui") -> None:
-        self.app = app
-        self.prefix = prefix
-        self._headers = [(name.lower().encode(), value.encode()) for name, value in HEADERS.items()]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else None
-        if path is None or not (path == self.prefix or path.startswith(self.prefix + "/")):
-            await self.app(scope, receive, send)
-            return
-
-        async def with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                have = {name.lower() for name, _ in message.get("headers", [])}
-                added = [(name, value) for name, value in self._headers if name not in have]
-                message = {**message, "headers": [*message.get("headers", []), *added]}
-            await send(message)
-
-        await self.app(scope, receive, with_headers)
-
-
-class ViewerAuth(Protocol):
-    """Turns the viewer's cookie into the runs its holder may see."""
-
-    hint: str  # what to paste at sign-in
-    # Whether a link may carry the credential (``/ui/login?key=``): `stockade ui`'s own key,
-    # printed for one laptop; never an API token, which a URL would put in access logs and
-    # which another site's link could sign a browser in with.
-    link_sign_in: bool
-
-    def sign_in(self, credential: str) -> str:
-        """What the cookie holds for the holder of ``credential`` (``AuthenticationError`` for
-        a credential that is not one)."""
-
-    def source(self, cookie: str) -> RunSource:
-        """The runs the cookie's holder may see; ``AuthenticationError`` for a cookie that is
-        not (or no longer) one."""
-
-    def sign_out(self, cookie: str) -> None: ...
-
-    def check(self, cookie: str, source: RunSource) -> None:
-        """``AuthenticationError`` once ``cookie`` no longer holds what ``source`` was made
-        for (signed out, expired, its token taken out); counted against no rate: a stream
-        asks it as it goes."""
-
-    def release(self, source: RunSource) -> None: ...
-
-    def stream(self, source: RunSource) -> StreamSlot:
-        """A slot for one more event stream of ``source``'s holder; ``RateLimited`` when it
-        has as many open as it may."""
-
-
-class KeyAuth:
-    """``stockade ui``: one source, and a key printed at start (a laptop's other users can
-    reach 127.0.0.1 too)."""
-
-    hint = "the key `stockade ui` printed"
-    link_sign_in = True
-
-    def __init__(self, source: RunSource, key: str) -> None:
-        self._source = source
-        self.key = key
-        self.streams = StreamSlots(LOCAL_STREAMS)
-
-    def sign_in(self, credential: str) -> str:
-        self.source(credential)
-        return credential  # the key is this viewer's alone, made for this one start
-
-    def source(self, cookie: str) -> RunSource:
-        if not hmac.compare_digest(cookie.encode(), self.key.encode()):
-            raise exc.AuthenticationError("that is not this viewer's key: use the one `stockade ui` printed")
-        return self._source
-
-    def sign_out(self, cookie: str) -> None:
-        pass
-
-    def check(self, cookie: str, source: RunSource) -> None:
-        self.source(cookie)
-
-    def release(self, source: RunSource) -> None:
-        pass
-
-    def stream(self, source: RunSource) -> StreamSlot:
-        return self.streams.take("local", who="this viewer")
-
-
-class ServiceAuth:
-    """``stockade serve``: an API token signs in; the cookie holds a session made for it
-    (``sessions.py``), never the token. Its tenant's runs, its role's buttons."""
-
-    hint = "an API token (stk_…), from `stockade token new`"
-    link_sign_in = False
-
-    def __init__(self, service: Any) -> None:
-        self.service = service
-        self.sessions = Sessions(service.config.tenants, service.store)
-
-    def sign_in(self, credential: str) -> str:
-        cookie = self.sessions.start(credential)
-        self.source(cookie)  # the tenant's rate counts sign-ins too
-        return cookie
-
-    def source(self, cookie: str) -> RunSource:
-        principal = self.sessions.check(cookie).principal
-        self.service.limits.admit(principal)
-        return ServiceRuns(self.service, principal)
-
-    def sign_out(self, cookie: str) -> None:
-        self.sessions.end(cookie)
-
-    def check(self, cookie: str, source: RunSource) -> None:
-        assert isinstance(source, ServiceRuns)  # what ``source`` made
-        now = self.sessions.check(cookie).principal
-        if not now.stands_as(source.principal):  # a role changed reaches other runs
-            raise exc.AuthenticationError(
-                "the session's token no longer stands for that tenant and role: sign in again"
-            )
-
-    def release(self, source: RunSource) -> None:
-        pass
-
-    def stream(self, source: RunSource) -> StreamSlot:
-        assert isinstance(source, ServiceRuns)  # what ``source`` made
-        tenant = source.principal.tenant.id
-        slot: StreamSlot = self.service.streams.take(tenant, who=f"tenant {tenant!r}")  # with the API's
-        return slot
-
-
-def _templates() -> Any:
-    import jinja2
-
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader("stockade.server.viewer", "templates"),
-        autoescape=True,  # every template, whatever its name: nothing is rendered raw
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        finalize=_shown,
-    )
-    env.filters["when"] = lambda ts: datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
-    env.filters["diff_class"] = _diff_class
-    env.filters["diff_lines"] = _diff_lines
-    return env
-
-
-def _shown(value: object) -> object:
-    """Each value a template renders, its untrusted text included: nothing that reorders what is
-    drawn (bidi controls) or is not seen (zero-width characters) reaches the page raw."""
-    import markupsafe
-
-    if isinstance(value, str) and not isinstance(value, markupsafe.Markup):
-        return visible(value)
-    return value
-
-
-def _diff_lines(diff: str) -> list[str]:
-    """A diff's lines: ended by newlines alone, as git ends them. ``str.splitlines`` also ends a
-    line at a form feed, a vertical tab, U+0085, U+2028..., which a changed file's line may
-    hold: the rest of that line was drawn as a line of its own, classed by its first
-    character (a ``+`` or ``-`` there read as a line added or removed)."""
-    lines = diff.split("\n")
-    return lines[:-1] if lines and not lines[-1] else lines
-
-
-def _diff_class(line: str) -> str:
-    if line.startswith(("+++", "---")):
-        return "file"
-    if line.startswith("@@"):
-        return "hunk"
-    return {"+": "add", "-": "del"}.get(line[:1], "ctx")
-
-
-def _csrf(credential: str) -> str:
-    return hmac.new(credential.encode(), b"stockade viewer form", hashlib.sha256).hexdigest()
-
-
-def _parse_time(value: str | None, field: str) -> datetime | None:
-    if not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise exc.InvalidArgument(
-            f"{field} {value!r} is not a date and time",
-            argument=field,
-            fix="give e.g. 2026-01-31T14:00 (UTC)",
-        ) from None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
-
-
-_CROSS_SITE = "a form of another site cannot sign this browser in or out: use this page's own form"
-
-
-def _same_site(request: Request) -> bool:
-    """Whether a form was posted from the viewer itself. Browsers say where a request comes
-    from (``Sec-Fetch-Site``; older ones only ``Origin``); a request that says neither is no
-    browser's cross-site form (a script holding the token could sign in anyway)."""
-    site = request.headers.get("sec-fetch-site")
-    if site is not None:
-        return site in ("same-origin", "none")
-    origin = request.headers.get("origin")
-    if origin is None:
-        return True
-    # the host as the browser asked it (a proxy in front changes the scheme, not the host)
-    return urlsplit(origin).netloc == request.headers.get("host", "")
 
 
 class _Viewer:
@@ -313,7 +82,7 @@ class _Viewer:
     def __init__(self, auth: ViewerAuth, prefix: str) -> None:
         self.auth = auth
         self.prefix = prefix
-        self.env = _templates()
+        self.env = templates()
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -352,7 +121,7 @@ class _Viewer:
         if not credential:
             return None
         try:
-            return await _blocking(lambda: self.auth.source(credential)), credential
+            return await blocking(lambda: self.auth.source(credential)), credential
         except exc.AuthenticationError:
             return None
 
@@ -360,7 +129,7 @@ class _Viewer:
         return self.redirect(f"{self.prefix}/login?{urlencode({'next': request.url.path})}")
 
     def failed(self, status: int, message: str, source: RunSource, credential: str) -> Response:
-        return self.page("error.html", status, message=message, source=source, csrf=_csrf(credential))
+        return self.page("error.html", status, message=message, source=source, csrf=csrf_token(credential))
 
     # -- sign-in -------------------------------------------------------------------------------
 
@@ -368,7 +137,7 @@ class _Viewer:
         target = self.target(next)
         if key and self.auth.link_sign_in:  # the link `stockade ui` prints
             try:
-                cookie = await _blocking(lambda: self.auth.sign_in(key))
+                cookie = await blocking(lambda: self.auth.sign_in(key))
             except exc.AuthenticationError as error:
                 return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
             return self.redirect(target, cookie=cookie, request=request)
@@ -378,22 +147,20 @@ class _Viewer:
         self, request: Request, token: Annotated[str, Form()] = "", next: Annotated[str, Form()] = ""
     ) -> Response:
         target = self.target(next)
-        if not _same_site(request):  # another site's form would sign this browser in to its tenant
-            return self.page("login.html", 403, error=_CROSS_SITE, hint=self.auth.hint, next=target)
+        if not same_site(request):  # another site's form would sign this browser in to its tenant
+            return self.page("login.html", 403, error=CROSS_SITE, hint=self.auth.hint, next=target)
         try:
-            cookie = await _blocking(lambda: self.auth.sign_in(token.strip()))
+            cookie = await blocking(lambda: self.auth.sign_in(token.strip()))
         except exc.StockadeError as error:
             return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
         return self.redirect(target, cookie=cookie, request=request)
 
     async def logout(self, request: Request) -> Response:
-        if not _same_site(request):
-            return self.page(
-                "login.html", 403, error=_CROSS_SITE, hint=self.auth.hint, next=f"{self.prefix}/"
-            )
+        if not same_site(request):
+            return self.page("login.html", 403, error=CROSS_SITE, hint=self.auth.hint, next=f"{self.prefix}/")
         cookie = request.cookies.get(COOKIE)
         if cookie:  # a copy of the cookie elsewhere signs in no more
-            await _blocking(lambda: self.auth.sign_out(cookie))
+            await blocking(lambda: self.auth.sign_out(cookie))
         return self.redirect(f"{self.prefix}/login", clear=True)
 
     async def static(self, name: str) -> Response:
@@ -421,7 +188,7 @@ class _Viewer:
         form = {"status": status, "model": model, "since": since, "until": until}
         values: dict[str, Any] = {
             "source": source,
-            "csrf": _csrf(credential),
+            "csrf": csrf_token(credential),
             "statuses": STATUSES,
             "form": form,
         }
@@ -429,13 +196,13 @@ class _Viewer:
             filters = Filters(
                 status=status or None,
                 model=model or None,
-                since=_parse_time(since, "since"),
-                until=_parse_time(until, "until"),
+                since=parse_time(since, "since"),
+                until=parse_time(until, "until"),
                 limit=max(1, min(limit, 1000)),
             )
         except exc.InvalidArgument as error:
             return self.page("runs.html", 400, runs=[], error=str(error), **values)
-        found = await _blocking(lambda: source.runs(filters))
+        found = await blocking(lambda: source.runs(filters))
         return self.page("runs.html", runs=found, error=None, **values)
 
     async def view(
@@ -445,9 +212,9 @@ class _Viewer:
         if who is None:
             return self.to_login(request)
         source, credential = who
-        found: RunView | None = await _blocking(lambda: source.run(run_id, verified=verified, window=window))
+        found: RunView | None = await blocking(lambda: source.run(run_id, verified=verified, window=window))
         if found is None:
-            return self.page("missing.html", 404, run_id=run_id, source=source, csrf=_csrf(credential))
+            return self.page("missing.html", 404, run_id=run_id, source=source, csrf=csrf_token(credential))
         return found, source, credential
 
     async def run_page(
@@ -469,7 +236,7 @@ class _Viewer:
             "run.html",
             run=run,
             source=source,
-            csrf=_csrf(credential),
+            csrf=csrf_token(credential),
             events=f"{base}/events",
             body=f"{base}/body",
         )
@@ -491,7 +258,7 @@ class _Viewer:
             return got
         run, source, credential = got
         template = "_run_body.html" if after is None else "_run_delta.html"
-        return self.page(template, run=run, source=source, csrf=_csrf(credential))
+        return self.page(template, run=run, source=source, csrf=csrf_token(credential))
 
     async def run_events(
         self,
@@ -510,7 +277,7 @@ class _Viewer:
             retry = str(max(1, round(error.retry_after or 1)))
             return Response(str(error), status_code=429, headers={**HEADERS, "Retry-After": retry})
         return HeldStream(
-            _changes(
+            changes(
                 request,
                 source,
                 functools.partial(self.auth.check, credential, source),
@@ -534,13 +301,13 @@ class _Viewer:
         if who is None:
             return self.to_login(request)
         source, credential = who
-        if not hmac.compare_digest(csrf, _csrf(credential)):
+        if not hmac.compare_digest(csrf, csrf_token(credential)):
             return self.failed(403, "the form is stale or forged: reload the page", source, credential)
         if decision not in ("approve", "deny"):
             return self.failed(400, "decide approve or deny", source, credential)
         choice = Choice.APPROVED if decision == "approve" else Choice.DENIED
         try:
-            await _blocking(lambda: source.decide(run_id, request_id, choice))
+            await blocking(lambda: source.decide(run_id, request_id, choice))
         except exc.PolicyDenied as error:
             return self.failed(403, str(error), source, credential)
         except exc.ResourceNotFound as error:
@@ -550,47 +317,6 @@ class _Viewer:
         except exc.StockadeError as error:
             return self.failed(400, str(error), source, credential)
         return self.redirect(f"{self.prefix}/runs/{quote(run_id)}")
-
-
-async def _blocking(function: Callable[[], Any]) -> Any:
-    return await anyio.to_thread.run_sync(function)
-
-
-def _look(still: Callable[[], None], source: RunSource, run_id: str, seq: int) -> tuple[int, str] | None:
-    still()
-    return source.changes(run_id, seq)
-
-
-async def _changes(
-    request: Request, source: RunSource, still: Callable[[], None], run_id: str, after: int,
-    status: str | None,
-) -> AsyncIterator[bytes]:  # fmt: skip
-    """``changed`` each time the run's trail grows or its status moves; ``end`` once it settled
-    or waits (a paused run may wait for days: the page comes back for it, not this loop), or
-    once ``still`` (asked at each poll) finds the session no longer valid: signed out,
-    expired, its token taken out (``signed_out``; the page reloads, to the sign-in)."""
-    seq = after
-    while True:
-        try:
-            changed = await _blocking(functools.partial(_look, still, source, run_id, seq))
-        except exc.AuthenticationError as error:
-            yield f"event: end\ndata: {json.dumps({'signed_out': True, 'reason': str(error)})}\n\n".encode()
-            return
-        if changed is None:
-            yield b"event: end\ndata: {}\n\n"
-            return
-        last, now = changed
-        if last != seq or now != status:
-            seq, status = last, now
-            yield f"event: changed\ndata: {json.dumps({'seq': seq, 'status': status})}\n\n".encode()
-        elif now in SETTLED or now in WAITING:
-            waits = now in WAITING  # the page comes back later: a decision sends the run on
-            ended = {"seq": seq, "status": status, "waits": waits}
-            yield f"event: end\ndata: {json.dumps(ended)}\n\n".encode()
-            return
-        if await request.is_disconnected():
-            return
-        await asyncio.sleep(POLL_S)
 
 
 def viewer_router(auth: ViewerAuth, *, prefix: str = "/ui") -> APIRouter:
