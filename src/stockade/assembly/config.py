@@ -25,7 +25,7 @@ from stockade.runtime.breaker import BreakerConfig
 from stockade.runtime.clock import Clock
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.failures import DEFAULT_FAILURES
-from stockade.runtime.killswitch import KillSource, check_kill_target
+from stockade.runtime.kill_sources import KillSource, check_kill_target
 from stockade.runtime.limits import OnLimit, Window
 from stockade.runtime.retry import RetryPolicy
 from stockade.sandbox import _registry

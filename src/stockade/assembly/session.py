@@ -61,7 +61,8 @@ from stockade.runtime.breaker import BreakingBackend, RunBreakers
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
 from stockade.runtime.failures import AgentBreaker
-from stockade.runtime.killswitch import KillSwitch, kill_source_for
+from stockade.runtime.kill_sources import kill_source_for
+from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.retry import RetryingBackend
 from stockade.sandbox.base import Backend
 from stockade.sandbox.facade import Sandbox

@@ -67,7 +67,7 @@ def kill(
 
     Exit codes: 0 the run stopped (or, with --force, the switch is set), 1 no live run has that
     id (nothing was pulled), 3 the switch is pulled but the run was still live after --wait."""
-    from stockade.runtime.killswitch import KILL_TTL_S, kill_source_for
+    from stockade.runtime.kill_sources import KILL_TTL_S, kill_source_for
 
     if every or tenant is not None:
         if run_id is not None or not every:
@@ -112,7 +112,7 @@ def kill(
 
 
 def _kill_all(target: str | None, reason: str, tenant: str | None, wait: float) -> None:
-    from stockade.runtime.killswitch import kill_all, kill_source_for
+    from stockade.runtime.kill_sources import kill_all, kill_source_for
 
     try:
         source = kill_source_for(target)

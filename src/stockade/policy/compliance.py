@@ -365,7 +365,7 @@ def kill_target_reachable(target: str | None) -> tuple[bool, str]:
         except Exception as err:  # not installed, not running, refused
             return False, f"{target}: {err}"
         return True, target
-    from stockade.runtime.killswitch import default_kill_dir
+    from stockade.runtime.kill_sources import default_kill_dir
 
     folder = Path(target) if target else default_kill_dir()
     probe = folder

@@ -7,7 +7,8 @@ from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend, C
 from stockade.runtime.clock import Clock, ManualClock, SystemClock
 from stockade.runtime.events import AnomalyAction, BreakerState, Observer, RuntimeEvent
 from stockade.runtime.failures import AgentBreaker
-from stockade.runtime.killswitch import FileKillSource, KillSwitch, MemoryKillSource, RedisKillSource
+from stockade.runtime.kill_sources import FileKillSource, MemoryKillSource, RedisKillSource
+from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.limits import Budget, BudgetMeter, LocalWindow, RateLimit, RedisWindow, SpendLimit
 from stockade.runtime.retry import (
     AsyncRetryingBackend,

@@ -29,7 +29,8 @@ from stockade.sandbox._docker_engine import (
 )
 from stockade.sandbox._docker_rundirs import release_mounts
 from stockade.sandbox._docker_settings import START_TIMEOUT_S
-from stockade.sandbox._gvisor_memory import EGRESS_REFUSAL, ContainerMemory
+from stockade.sandbox._gvisor_docker_memory import ContainerMemory
+from stockade.sandbox._gvisor_memory import EGRESS_REFUSAL
 from stockade.sandbox._supervised import Boundary, SupervisedInstance
 from stockade.sandbox.base import OpResult, OutputSink
 from stockade.sandbox.ops import Op

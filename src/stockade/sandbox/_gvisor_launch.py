@@ -17,7 +17,15 @@ from pathlib import Path
 
 from stockade import _exit
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _gvisor_memory, _host, _rules, _trusted
+from stockade.sandbox import (
+    _guest,
+    _gvisor_areas,
+    _gvisor_docker_memory,
+    _gvisor_memory,
+    _host,
+    _rules,
+    _trusted,
+)
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._gvisor_bundle import (
     RunscBoundary,
@@ -63,7 +71,7 @@ class RunscLaunch(RunscSettings):
         masks: tuple[str, ...],
         command: tuple[str, ...],
         files: dict[str, Path] | None = None,
-        docker: _gvisor_memory.DockerLayout | None = None,
+        docker: _gvisor_docker_memory.DockerLayout | None = None,
     ) -> RunscInstance:
         """Write the bundle (tmpfs, with ``files`` unpacked in them; the egress proxy;
         config.json) and start ``runsc run`` or ``restore`` on it, stdio to the supervisor.
@@ -104,7 +112,7 @@ class RunscLaunch(RunscSettings):
                 _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid, noexec=noexec)
                 binds[target] = path
                 if files is not None:
-                    _gvisor_memory.unpack_area(
+                    _gvisor_areas.unpack_area(
                         files[path.name], path, max_bytes=size, max_entries=inodes, uid=uid
                     )
             if spec.network.egress:  # in the bundle (root's, 0700): only the sandbox reaches it
@@ -115,7 +123,7 @@ class RunscLaunch(RunscSettings):
             # a container's image restores on the image's own files; others on the offline rootfs
             root = self.rootfs
             if docker is not None:
-                root = _gvisor_memory.image_root(docker.image, bundle / "rootfs", mounts)
+                root = _gvisor_docker_memory.image_root(docker.image, bundle / "rootfs", mounts)
             assert root is not None
             annotations = {
                 _guest.LABEL: "1",
@@ -176,7 +184,7 @@ class RunscLaunch(RunscSettings):
         instance.egress = egress
         instance.docker = docker
         if docker is not None:
-            instance.machine_key = _gvisor_memory.docker_machine_key(
+            instance.machine_key = _gvisor_docker_memory.docker_machine_key(
                 self.runsc, self.platform, docker.image, folder, masks
             )
         else:

@@ -48,7 +48,7 @@ from stockade.sandbox._docker_plan import DockerPlan
 from stockade.sandbox._docker_rundirs import collect_rundirs, make_rundir
 from stockade.sandbox._docker_settings import DEFAULT_IMAGE, START_TIMEOUT_S
 from stockade.sandbox._docker_supervisor import SupervisorFiles
-from stockade.sandbox._gvisor_memory import ContainerMemory
+from stockade.sandbox._gvisor_docker_memory import ContainerMemory
 from stockade.sandbox._host import NO_TIME_WAIT, NO_TIMESTAMPED_DATA
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import SupervisedInstance

@@ -16,7 +16,8 @@ just above ``pids``; ``ptrace`` starts commands faster on some hosts (twice as f
 ones) but keeps every stub it ever made, so only a loose backstop holds it. KVM hangs on
 nested hosts.
 
-Snapshots keep memory in both modes (``runsc checkpoint``, ``_gvisor_memory.py``): under
+Snapshots keep memory in both modes (``runsc checkpoint``, ``_gvisor_memory.py``; the tmpfs
+in ``_gvisor_areas.py``, Docker's containers in ``_gvisor_docker_memory.py``): under
 Docker, stockade checkpoints the container with the engine's own runsc state (a local engine
 and root: the workspace and /tmp are host tmpfs). Either mode restores a memory snapshot of
 either, with stockade's own runsc.
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _gvisor_memory, _host, _rules
+from stockade.sandbox import _guest, _gvisor_areas, _gvisor_docker_memory, _gvisor_memory, _host, _rules
 from stockade.sandbox._gvisor_bundle import head, release
 from stockade.sandbox._gvisor_launch import RunscLaunch
 from stockade.sandbox._gvisor_memory import RunscInstance
@@ -221,10 +222,12 @@ class RunscBackend(RunscLaunch):
         state = manifest.tier_state
         docker = None
         if "docker" in state:  # taken in a container of Docker: its image, mounts and uid
-            docker = _gvisor_memory.DockerLayout.from_state(state["docker"])
+            docker = _gvisor_docker_memory.DockerLayout.from_state(state["docker"])
             masks = docker.masks()  # the image's own files, masked as the container had them
             folder = _guest.supervisor_dir(self.state_dir, docker.image)
-            key = _gvisor_memory.docker_machine_key(self.runsc, self.platform, docker.image, folder, masks)
+            key = _gvisor_docker_memory.docker_machine_key(
+                self.runsc, self.platform, docker.image, folder, masks
+            )
         else:
             self._check()
             assert self.rootfs is not None
@@ -246,7 +249,7 @@ class RunscBackend(RunscLaunch):
                 enforcement,
                 masks=masks,
                 command=("restore", "--image-path", str(image)),
-                files={area: store.check_object(manifest.blobs[area]) for area in _gvisor_memory.AREAS},
+                files={area: store.check_object(manifest.blobs[area]) for area in _gvisor_areas.AREAS},
                 docker=docker,
             )
             sealed = state.get("seal")

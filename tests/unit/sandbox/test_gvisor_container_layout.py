@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from stockade import LimitNotEnforceable, SnapshotCorrupt, SnapshotError
-from stockade.sandbox._gvisor_memory import ContainerMemory, DockerLayout, container_mounts
+from stockade.sandbox._gvisor_docker_memory import ContainerMemory, DockerLayout, container_mounts
 from stockade.sandbox.snapshots import SnapshotStore
 from tests.conftest import require
 

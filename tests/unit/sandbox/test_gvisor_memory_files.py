@@ -12,7 +12,7 @@ import pytest
 
 from stockade import FileTooLarge, SnapshotIncompatible, StockadeError
 from stockade.sandbox._guest import SANDBOX_UID
-from stockade.sandbox._gvisor_memory import pack_area, unpack_area
+from stockade.sandbox._gvisor_areas import pack_area, unpack_area
 from stockade.sandbox.snapshots import SnapshotStore
 from tests.conftest import require
 

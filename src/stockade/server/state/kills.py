@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
+from stockade.runtime.kill_sources import LIVE_FOR_S, LiveRun
 from stockade.server.state.rows import ENDED, WAITING, as_int
 from stockade.server.state.schema import open_database
 from stockade.server.state.store import ServiceStore
