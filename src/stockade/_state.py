@@ -24,7 +24,7 @@ __all__ = ["CARRIED", "STATE_DIR", "is_state", "sqlite_files", "sqlite_path", "w
 
 STATE_DIR = ".stockade"
 # What the run itself keeps in the sandbox's ``.stockade/`` (tools.workspace_diff.BASELINE,
-# tools.observations.OUTPUT_DIR, tools.builtin.REPORT_DIR; a unit test keeps them in step).
+# tools.observations.OUTPUT_DIR, tools.testrun.REPORT_DIR; a unit test keeps them in step).
 CARRIED = frozenset({"baseline.json", "outputs", "reports"})
 
 

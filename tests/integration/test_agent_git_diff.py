@@ -14,7 +14,7 @@ from stockade import Sandbox
 from stockade.agent import Agent
 from stockade.testing import ScriptedModel, tool_call
 from stockade.tools import ToolContext, Toolset, git_diff, read_file
-from stockade.tools.builtin import GIT_HEAD_DIFF
+from stockade.tools.githead import GIT_HEAD_DIFF
 from stockade.tools.workspace_diff import record_baseline
 from stockade.types import SandboxRules
 from tests.conftest import require, require_tier

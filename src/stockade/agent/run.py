@@ -39,7 +39,7 @@ from stockade.exceptions import (
 from stockade.models.base import counted_usage
 from stockade.models.messages import AssistantMessage, ModelRequest, UserMessage
 from stockade.models.pricing import cost_usd
-from stockade.tools.builtin import run_test_command
+from stockade.tools.testrun import run_test_command
 from stockade.tools.workspace_diff import workspace_diff
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from stockade._threads import off_loop
 from stockade.client._http import DIFF_MAX_BYTES, LIST_MAX_BYTES, AsyncHttp, malformed_archive
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
+from stockade.client._requests import snapshot_id
 from stockade.client.async_sandbox import AsyncRemoteSandbox
 from stockade.client.client import (
     TAR_HEADERS,
@@ -35,7 +36,6 @@ from stockade.client.client import (
     settled,
     submit_body,
 )
-from stockade.client.sandbox import snapshot_id
 from stockade.sandbox._archive import Extraction
 from stockade.sandbox._archive_gzip import Inflated
 from stockade.sandbox.facade import tar_directory

@@ -24,24 +24,26 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from stockade import exceptions as exc
 from stockade._threads import off_loop
 from stockade.client import _inputs
-from stockade.client._http import LIST_MAX_BYTES
-from stockade.client.sandbox import (
+from stockade.client._answers import (
     TextCallback,
-    archive_params,
-    code_body,
-    command_body,
     command_result,
-    create_body,
     ended_without_result,
     enforcement,
     entry,
     execution,
     listing,
-    path_params,
-    range_params,
     result_max_bytes,
     snapshot_value,
     streamed_line,
+)
+from stockade.client._http import LIST_MAX_BYTES
+from stockade.client._requests import (
+    archive_params,
+    code_body,
+    command_body,
+    create_body,
+    path_params,
+    range_params,
     upload_body,
 )
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES

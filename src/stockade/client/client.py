@@ -30,7 +30,8 @@ from stockade.client._http import (
 )
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
-from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
+from stockade.client._requests import limits_body, snapshot_id
+from stockade.client.sandbox import RemoteSandbox
 from stockade.sandbox._archive import Extraction
 from stockade.sandbox._archive_gzip import Inflated
 from stockade.sandbox.facade import tar_directory

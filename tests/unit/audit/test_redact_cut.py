@@ -17,8 +17,8 @@ from stockade._cuts import CUT_MARK, cut_marker
 from stockade._state import CARRIED, STATE_DIR, is_state
 from stockade.audit.redact import CUT_REDACTED, TOKEN_PATTERNS, Redactor
 from stockade.audit.sandbox_texts import exec_word
-from stockade.tools.builtin import REPORT_DIR
 from stockade.tools.observations import OUTPUT_DIR, clip
+from stockade.tools.testrun import REPORT_DIR
 from stockade.tools.workspace_diff import BASELINE
 
 # (what comes before the value, the value): a credential of each pattern's shape, cut in its value

@@ -87,7 +87,7 @@ def test_properties_stay_properties() -> None:
 
 
 def test_a_remote_network_is_its_hosts_and_the_rest_is_refused_not_dropped() -> None:
-    from stockade.client.sandbox import create_body
+    from stockade.client._requests import create_body
     from stockade.exceptions import InvalidArgument
     from stockade.types import HostRule, NetworkPolicy
 

@@ -23,7 +23,7 @@ from stockade.sandbox.base import OpResult
 from stockade.sandbox.ops import Op, ReadFile, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import ToolContext, read_file, run_tests
-from stockade.tools.builtin import MAX_SHOWN_BYTES, READ_CHUNK
+from stockade.tools.linewindow import MAX_SHOWN_BYTES, READ_CHUNK
 from stockade.tools.patch import MAX_PATCH_BYTES, apply_patch_to_sandbox
 from stockade.tools.testreport import (
     MAX_FAILURES_SHOWN,
