@@ -13,7 +13,9 @@ the real server (uvicorn) on a real socket, its limits made short by its options
   second, opened again as they were closed, held the cap and kept every tenant out).
 * Requests pipelined on one connection whose answers are never read wait in the client's own
   socket: the server reads only ~64 KiB ahead of the request it answers (it took 855 MiB of them
-  in 15 s, held until the connection closed).
+  in 15 s, held until the connection closed). Connections that do so from several addresses
+  give way at the cap to a tenant, as idle ones do (they held it: their heads had come, and the
+  next answer waited for ever for room in the socket).
 * A token a client puts in a request's query is never written to the access log (``GET
   /ui/login?key=stk_...`` was answered 200, and its line logged the token whole)."""
 
@@ -254,6 +256,30 @@ def test_requests_pipelined_without_reading_the_answers_are_not_read_ahead_witho
         # meanwhile, another connection is answered
         other = httpx2.get(server.url + "/v1/workspaces", headers={"Authorization": f"Bearer {tokens.acme}"})
         assert other.status_code == 200
+
+
+def test_connections_that_pipeline_requests_and_read_no_answer_give_way_to_a_tenant(
+    service: tuple[Server, Tokens],
+) -> None:
+    server, tokens = service
+    pipelined = b"GET /openapi.json HTTP/1.1\r\nHost: stockade\r\n\r\n" * 128  # no token needed
+    with contextlib.ExitStack() as held:
+        # the cap, held from two addresses by connections whose answers are never read
+        for source in ["127.0.0.2"] * PER_ADDRESS + ["127.0.0.3"] * PER_ADDRESS:
+            sock = held.enter_context(socket.socket())
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.bind((source, 0))
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(pipelined)
+        with httpx2.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {tokens.acme}"}, timeout=10
+        ) as client:
+            for _ in range(50):  # as a 503's retry-after asks
+                status = client.get("/v1/sandboxes", headers={"Connection": "close"}).status_code
+                if status != 503:
+                    break
+                time.sleep(0.1)
+            assert status == 200
 
 
 def test_a_token_in_a_query_is_never_written_to_the_access_log(service: tuple[Server, Tokens]) -> None:

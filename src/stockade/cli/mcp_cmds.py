@@ -124,13 +124,23 @@ def mcp(
     keep_alive_timeout: Annotated[
         int, typer.Option("--keep-alive-timeout", min=1, help="http: seconds an idle connection is kept open")
     ] = 5,
+    send_timeout: Annotated[
+        float,
+        typer.Option(
+            "--send-timeout",
+            min=0.001,
+            help="http: seconds a client may read none of an answer waiting for it (an event stream's "
+            "too); then its connection is reset",
+        ),
+    ] = 30.0,
     max_connections: Annotated[
         int,
         typer.Option(
             "--max-connections",
             min=1,
             help="http: connections open at once; one more closes the one waiting longest for its "
-            "request's head, or is answered 503 and closed when none waits (at most half of ulimit -n)",
+            "request's head, else resets the one stalled longest on a client that does not read, or "
+            "is answered 503 and closed when there is neither (at most half of ulimit -n)",
         ),
     ] = 1000,
     max_per_address: Annotated[
@@ -238,7 +248,7 @@ def mcp(
                 face, host=host, port=port, token=token, max_sessions=max_sessions,
                 allowed_origins=tuple(allow_origin or ()),
                 connections=ConnectionLimits(
-                    head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout,
+                    head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout, send_timeout_s=send_timeout,
                     max_connections=max_connections, max_per_address=max_per_address,
                 ),
                 body_timeout_s=body_timeout, min_body_rate=float(min_body_rate),

@@ -122,13 +122,22 @@ def serve(
     keep_alive_timeout: Annotated[
         int, typer.Option("--keep-alive-timeout", min=1, help="seconds an idle connection is kept open")
     ] = 5,
+    send_timeout: Annotated[
+        float,
+        typer.Option(
+            "--send-timeout", min=0.001,
+            help="seconds a client may read none of an answer waiting for it (an event stream's too); "
+            "then its connection is reset",
+        ),
+    ] = 30.0,
     max_connections: Annotated[
         int,
         typer.Option(
             "--max-connections", min=1,
             help="connections open at once; one more closes the one waiting longest for its request's "
-            "head, or is answered 503 and closed when none waits (at most half of the process's file "
-            "descriptors, ulimit -n: the rest stay for sandboxes and the database)",
+            "head, else resets the one stalled longest on a client that does not read, or is answered "
+            "503 and closed when there is neither (at most half of the process's file descriptors, "
+            "ulimit -n: the rest stay for sandboxes and the database)",
         ),
     ] = 1000,
     max_per_address: Annotated[
@@ -170,8 +179,8 @@ def serve(
 
     try:
         connections = ConnectionLimits(
-            head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout, max_connections=max_connections,
-            max_per_address=max_per_address,
+            head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout, send_timeout_s=send_timeout,
+            max_connections=max_connections, max_per_address=max_per_address,
         )  # fmt: skip
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,

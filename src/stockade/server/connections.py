@@ -6,7 +6,7 @@ for as long as the client likes: its keep-alive timeout starts only after a resp
 idle connections from a client without a token took the server from 41 to 20,000 file
 descriptors (its limit), and a tenant's ``POST /v1/sandboxes`` then failed; a server out of
 descriptors opens neither sandboxes nor its database. Hence ``guarded_protocol``, uvicorn's
-h11 protocol with two additions:
+h11 protocol with these additions:
 
 * a **head timeout**: a connection must deliver a request's whole head (its line and
   headers, at most h11's 16 KiB) within ``head_timeout_s`` of opening, or of its previous
@@ -25,9 +25,27 @@ h11 protocol with two additions:
   one that has waited longest for its request's head (opened, or idle since its last answer)
   rather than being refused: a head sent whole comes in a round trip, so slow heads from any
   number of addresses give way to the clients that say what they want, as nginx closes its
-  idle keep-alive connections when it runs out of them. A connection whose head has come (a
-  body being read, an answer or an event stream being sent) is never closed for room; with
-  only those open, a new one is refused.
+  idle keep-alive connections when it runs out of them. With none waiting, the one stalled
+  longest on a client that does not read its answer (below) is reset instead. A connection
+  whose head has come and that is not stalled (a body being read, an answer or an event
+  stream being sent as fast as its client reads) is never closed for room; with only those
+  open, a new one is refused.
+* a **send timeout**: a connection whose answer the client does not read is cut. One that
+  pipelined ``GET /openapi.json`` (46 KB, no token needed) and never read held its slot for
+  ever: the next request's answer waited in uvicorn's ``drain()``, which has no deadline, its
+  head had come so it was never closed for room, and the kernel queued ~3.8 MiB for it (its
+  send buffer grows to ``tcp_wmem``'s 4 MiB); 90 of them from nine addresses held a cap of 80
+  and an honest client was 503 at every probe for 40 s. Now, while uvicorn's write buffer is
+  over its high mark (64 KiB) the connection is *stalled*: if its client reads none of it for
+  ``send_timeout_s`` it is reset (an RST: the unsent bytes are dropped, where ``abort()`` alone
+  leaves them queued behind a FIN), counted from its last read as nginx's ``send_timeout`` is,
+  so a slow reader of a large answer is not cut. A request pipelined behind an answer the
+  client has not read starts only once it has (nor do the head and keep-alive timers: the
+  client is still reading). The kernel itself drops a connection whose sent bytes stay
+  unacknowledged (a zero window too) for twice ``send_timeout_s`` (``TCP_USER_TIMEOUT``): an
+  answer left in a closed socket sat in FIN-WAIT-1 with ~0.9 MiB unsent. The send buffer is
+  ``SEND_BUFFER_BYTES`` (the kernel doubles it), so a stalled connection holds ~0.5 MiB of
+  kernel memory rather than ~3.8 MiB.
 * a **bound on what is read ahead**: h11 keeps whatever the socket gives it and bounds only an
   event not yet whole (a head, 16 KiB), not whole requests pipelined behind the one being
   answered; uvicorn reads from the socket again each time a request asks for its body or is
@@ -46,10 +64,13 @@ comes from its address, so ``per_address`` must be raised to the cap (``stockade
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
 import resource
+import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -62,8 +83,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from stockade import exceptions as exc
 
 __all__ = [
-    "PER_ADDRESS_SHARE", "READ_AHEAD_BYTES", "ConnectionLimits", "GuardedH11Protocol", "address_of",
-    "guarded_protocol",
+    "PER_ADDRESS_SHARE", "READ_AHEAD_BYTES", "SEND_BUFFER_BYTES", "ConnectionLimits", "GuardedH11Protocol",
+    "address_of", "guarded_protocol",
 ]  # fmt: skip
 
 log = logging.getLogger("stockade.server")
@@ -83,25 +104,40 @@ PER_ADDRESS_SHARE = 8
 # What h11 may hold of a connection's requests not yet answered before its socket is no longer
 # read; a read takes up to 256 KiB more, so a connection holds ~320 KiB at most
 READ_AHEAD_BYTES = 64 * 1024
+# A connection's kernel send buffer (SO_SNDBUF; the kernel doubles it and stops growing it).
+# Grown as Linux does, to tcp_wmem's 4 MiB, one client that does not read holds ~3.8 MiB of
+# the host's TCP memory, and 1,000 of them more than its tcp_mem allows all its sockets. 512 KiB
+# in flight still carry ~40 Mbit/s at 100 ms round trip, ~400 at 10 ms.
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
 class ConnectionLimits:
     """The figures for the HTTP connections of ``stockade serve`` and ``stockade mcp``
-    (``--head-timeout``, ``--keep-alive-timeout``, ``--max-connections``,
-    ``--max-connections-per-address``). ``max_per_address`` None: an eighth of the cap."""
+    (``--head-timeout``, ``--keep-alive-timeout``, ``--send-timeout``, ``--max-connections``,
+    ``--max-connections-per-address``). ``max_per_address`` None: an eighth of the cap.
+
+    ``send_timeout_s``: how long a client may read none of an answer that waits for it
+    (uvicorn's buffer over its high mark and not shrinking, or the kernel's bytes not
+    acknowledged) before its connection is reset; an event stream's as any. Counted from the
+    last read, as nginx's ``send_timeout`` (60 s) is between two writes: a slow client of a
+    large answer is not cut. 30 s: this API's clients read as they receive, and one that stops
+    holds ~0.5 MiB of kernel memory meanwhile (at the cap, it is closed for room)."""
 
     head_timeout_s: float = 10.0
     keep_alive_s: int = 5
+    send_timeout_s: float = 30.0
     max_connections: int = 1000
     max_per_address: int | None = None
 
     def __post_init__(self) -> None:
-        figures = (self.head_timeout_s, self.keep_alive_s, self.max_connections, self.per_address)
+        figures = (
+            self.head_timeout_s, self.keep_alive_s, self.send_timeout_s, self.max_connections,
+            self.per_address,
+        )  # fmt: skip
         if not all(figure > 0 for figure in figures):
             raise exc.ConfigurationError(
-                "the head timeout, the keep-alive timeout, max_connections and max_per_address must "
-                "be positive"
+                "the head, keep-alive and send timeouts, max_connections and max_per_address must be positive"
             )
 
     @property
@@ -158,13 +194,14 @@ def address_of(client: tuple[str, int] | None) -> str | None:
 
 
 class _Held:
-    """The connections one server holds: how many from each address, and those waiting for a
-    request's head, the one that has waited longest first."""
+    """The connections one server holds: how many from each address, those waiting for a
+    request's head and those stalled on a client that does not read, longest first."""
 
     def __init__(self) -> None:
         self.open: set[GuardedH11Protocol] = set()
         self.by_address: Counter[str] = Counter()
         self.waiting: dict[GuardedH11Protocol, None] = {}  # ordered: oldest first
+        self.stalled: dict[GuardedH11Protocol, None] = {}  # ordered: oldest first
         self.warned: dict[str, float] = {}  # when each kind of warning was last logged
 
     def admit(self, connection: GuardedH11Protocol) -> None:
@@ -174,6 +211,7 @@ class _Held:
 
     def release(self, connection: GuardedH11Protocol) -> None:
         self.waiting.pop(connection, None)
+        self.stalled.pop(connection, None)
         if connection not in self.open:
             return
         self.open.discard(connection)
@@ -182,15 +220,21 @@ class _Held:
             if not self.by_address[connection.address]:
                 del self.by_address[connection.address]
 
-    def close_longest_waiting(self) -> bool:
-        """Close the connection that has waited longest for a request's head: False if none
-        waits (every one open is reading a body or sending an answer)."""
-        if not self.waiting:
-            return False
-        oldest = next(iter(self.waiting))
-        self.release(oldest)
-        oldest.close_for_room()
-        return True
+    def make_room(self) -> bool:
+        """Close the connection that has waited longest for a request's head, else reset the one
+        stalled longest on a client that does not read: False if there is neither (every one
+        open is reading a body or sending an answer its client reads)."""
+        if self.waiting:
+            oldest = next(iter(self.waiting))
+            self.release(oldest)
+            oldest.close_for_room()
+            return True
+        if self.stalled:
+            oldest = next(iter(self.stalled))
+            self.release(oldest)
+            _reset(oldest.transport)
+            return True
+        return False
 
     def warn(self, kind: str, message: str, *args: object) -> None:
         now = time.monotonic()
@@ -200,19 +244,24 @@ class _Held:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a head timeout, a connection cap and a share of it per
-    address (``limits``), and a bound on what it reads ahead of the request being answered."""
+    """uvicorn's h11 protocol with a head timeout, a send timeout, a connection cap and a share
+    of it per address (``limits``), and a bound on what it reads ahead of the request being
+    answered."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
     held: ClassVar[_Held] = _Held()  # the server's: ``guarded_protocol`` gives each its own
     address: str | None = None
     _head_timer: asyncio.TimerHandle | None = None
     _waiting: object = None  # the request cycle the head timer waits to see replaced
+    _send_timer: asyncio.TimerHandle | None = None
+    _unsent = 0  # uvicorn's write buffer when the send timer was last armed
+    _unread: bool = False  # an answer completed while stalled: what follows waits for it to be read
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _BoundedFlow(transport, self._buffered)
         held, limits = self.held, self.limits
+        _bound_sending(transport, limits.send_timeout_s)
         address = address_of(self.client)
         if address is not None and held.by_address[address] >= limits.per_address:
             held.warn(
@@ -222,13 +271,13 @@ class GuardedH11Protocol(H11Protocol):
             self._refuse(transport)
             return
         if len(held.open) >= limits.max_connections:
-            if not held.close_longest_waiting():
+            if not held.make_room():
                 held.warn("cap", "%d connections open: new ones are refused", limits.max_connections)
                 self._refuse(transport)
                 return
             held.warn(
-                "room", "%d connections open: the one waiting longest for a request's head is closed "
-                "for each new one", limits.max_connections,
+                "room", "%d connections open: the one waiting longest for a request's head, or stalled "
+                "longest on a client that does not read, is closed for each new one", limits.max_connections,
             )  # fmt: skip
         self.address = address
         held.admit(self)
@@ -244,14 +293,33 @@ class GuardedH11Protocol(H11Protocol):
             self._stop_timer()  # a new request's head came whole
 
     def on_response_complete(self) -> None:
+        if self.flow.write_paused and not self.transport.is_closing():
+            # the client has not read this answer: a request it pipelined behind waits, and so
+            # do the head and keep-alive timers (a slow reader is still reading); the send
+            # timeout runs meanwhile
+            self._unread = True
+            return
         finished = self.cycle
         super().on_response_complete()
         # the next request's head is timed too, unless one was already pipelined behind
         if not self.transport.is_closing() and self.cycle is finished:
             self._time_head()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._stop_send_timer()
+        self._time_sending()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_timer()
+        if self._unread:
+            self._unread = False
+            self.on_response_complete()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        self._stop_send_timer()
         self.held.release(self)
         super().connection_lost(exc)
 
@@ -284,11 +352,63 @@ class GuardedH11Protocol(H11Protocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _stop_send_timer(self) -> None:
+        self.held.stalled.pop(self, None)
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _time_sending(self) -> None:
+        """Give the client ``send_timeout_s`` to read some of what waits for it (the last of
+        those stalled for room, since it read)."""
+        self._unsent = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_timed_out)
+        if self in self.held.open:
+            self.held.stalled.pop(self, None)
+            self.held.stalled[self] = None
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        if self.transport.get_write_buffer_size() < self._unsent:
+            self._time_sending()  # it reads, however slowly: a whole answer may take longer
+            return
+        self.held.stalled.pop(self, None)
+        self.held.warn(
+            "send", "a client read none of its answer for %s s (--send-timeout): its connection is reset",
+            self.limits.send_timeout_s,
+        )  # fmt: skip
+        _reset(self.transport)
+
     def _head_timed_out(self) -> None:
         self._head_timer = None
         self.held.waiting.pop(self, None)
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def _bound_sending(transport: asyncio.Transport, send_timeout_s: float) -> None:
+    """Cap a TCP connection's kernel send buffer, and have the kernel drop it when what was sent
+    stays unacknowledged (a zero window too) for twice ``send_timeout_s`` (Linux's
+    ``TCP_USER_TIMEOUT``): after the protocol's own timer, which resets it so that its client
+    knows, and where the protocol no longer sees it (a connection closed, its answer unread)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
+        if user_timeout is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(1, int(2 * send_timeout_s * 1000)))
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Close with an RST (``abort()`` alone sends a FIN behind what is unsent): what the client
+    did not read is dropped at once, and it knows."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
