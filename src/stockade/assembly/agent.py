@@ -30,7 +30,8 @@ from stockade.exceptions import ComplianceNotMet, PolicyDenied
 from stockade.models.base import Model, resolve_model
 from stockade.models.pricing import DEFAULT_PRICES
 from stockade.policy.agent import ApprovedModel
-from stockade.policy.approval import Approvals, ApprovalStore
+from stockade.policy.approval import Approvals
+from stockade.policy.approval_store import ApprovalStore
 from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.load import policy_digest

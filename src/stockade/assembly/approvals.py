@@ -15,7 +15,8 @@ import threading
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
 from stockade.exceptions import ApprovalRequired, ApprovalsFull, ConfigurationError, PolicyDenied
-from stockade.policy.approval import CLIENT_ACTOR, SYSTEM_ACTOR, ApprovalRequest, Approvals, Choice
+from stockade.policy.approval import CLIENT_ACTOR, SYSTEM_ACTOR, Approvals
+from stockade.policy.approval_book import ApprovalRequest, Choice
 
 __all__ = ["AuditedApprovals", "asking_for_exec", "call_approved", "call_at"]
 

@@ -19,7 +19,8 @@ from stockade.exceptions import InvalidArgument
 from stockade.models.base import Model
 from stockade.models.pricing import Price
 from stockade.observability.telemetry import Telemetry
-from stockade.policy.approval import ApprovalBook, Approver
+from stockade.policy.approval import Approver
+from stockade.policy.approval_book import ApprovalBook
 from stockade.policy.schema import Policy
 from stockade.runtime.breaker import BreakerConfig
 from stockade.runtime.clock import Clock

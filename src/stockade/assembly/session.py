@@ -51,7 +51,9 @@ from stockade.exceptions import (
 from stockade.observability.agent import TelemetryObserver
 from stockade.observability.sandbox import TracedBackend
 from stockade.policy.agent import filter_outputs, policy_guard
-from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore
+from stockade.policy.approval import Approvals
+from stockade.policy.approval_book import ApprovalRequest
+from stockade.policy.approval_store import ApprovalStore
 from stockade.policy.guards import GuardedInstance, OpContext, shown
 from stockade.runs.recorder import RunRecorder
 from stockade.runs.store import RunStore

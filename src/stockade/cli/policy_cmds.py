@@ -438,7 +438,8 @@ def _action_json(what: str, parts: list[tuple[str, Decision]], outcome: Decision
 
 
 def _decide(run_id: str, request_id: str, approved: bool, by: str, directory: Path | None) -> None:
-    from stockade.policy.approval import ApprovalStore, Choice
+    from stockade.policy.approval_book import Choice
+    from stockade.policy.approval_store import ApprovalStore
 
     try:
         ApprovalStore(directory).decide(
@@ -479,7 +480,7 @@ def approvals(
     directory: ApprovalDirOpt = None,
 ) -> None:
     """List the actions waiting for approval."""
-    from stockade.policy.approval import ApprovalStore
+    from stockade.policy.approval_store import ApprovalStore
 
     store = ApprovalStore(directory)
     pending = store.pending(run_id)

@@ -20,7 +20,7 @@ from stockade.cli._run_views import SHOWN_CHARS, cut
 from stockade.cli._runs_store import DEFAULT_DB, DbOpt, JsonOpt, NamespaceOpt, resolve_run, run_store
 from stockade.cli._signals import Interrupted, closed_whole, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
-from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.policy.approval_book import ApprovalRequest, Choice
 from stockade.runs.store import RunSetup
 from stockade.sandbox import _registry
 from stockade.tools.base import Toolset

@@ -81,7 +81,7 @@ def erase(
     from stockade.audit.events import Chain, Draft, EventKind
     from stockade.audit.stores import open_store
     from stockade.audit.verify import unrecorded_erasures
-    from stockade.policy.approval import ApprovalStore
+    from stockade.policy.approval_store import ApprovalStore
     from stockade.runs.snapshots import erase_run_snapshots
     from stockade.sandbox.snapshots import SnapshotStore
 

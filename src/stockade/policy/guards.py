@@ -16,7 +16,8 @@ from typing import Any
 
 from stockade._display import visible
 from stockade.exceptions import PolicyDenied
-from stockade.policy.approval import ApprovalRequest, Approvals
+from stockade.policy.approval import Approvals
+from stockade.policy.approval_book import ApprovalRequest
 from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.schema import Verdict
 from stockade.runtime.anomaly import ANOMALY_RULE, AnomalyMonitor

@@ -32,7 +32,8 @@ from stockade.agent.events import (
     ToolCalled,
     ToolReturned,
 )
-from stockade.policy.approval import ApprovalRequest, Approvals
+from stockade.policy.approval import Approvals
+from stockade.policy.approval_book import ApprovalRequest
 from stockade.runs.store import ApprovalEntry, RetryEntry, RunSetup, RunStore
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 

@@ -38,7 +38,8 @@ from stockade.assembly import AgentConfig, GuardedAgent
 from stockade.audit.log import AuditLog
 from stockade.exceptions import TierUnavailable
 from stockade.models.scripted import ScriptedModel
-from stockade.policy.approval import ApprovalRequest, Approver, Choice
+from stockade.policy.approval import Approver
+from stockade.policy.approval_book import ApprovalRequest, Choice
 from stockade.policy.load import policy_digest
 from stockade.policy.schema import ModelRegistry
 from stockade.runs.records import RunSetup

@@ -22,7 +22,7 @@ from stockade.sandbox._interrupt import CUT
 if TYPE_CHECKING:
     import asyncio
 
-    from stockade.policy.approval import Choice
+    from stockade.policy.approval_book import Choice
     from stockade.types import ExecRecord
 
 __all__ = [
@@ -81,7 +81,7 @@ def check_approver(approver: object, *, asynchronous: bool = False) -> None:
 def answered(answer: object) -> tuple[bool, str]:
     """Whether ``answer`` lets the exec run, and, where it is not a plain yes or no, why it
     was taken as a no (shown with the exec's rule)."""
-    from stockade.policy.approval import Choice  # lazily: the policy package imports the tiers
+    from stockade.policy.approval_book import Choice  # lazily: the policy package imports the tiers
 
     if answer is True or answer is Choice.APPROVED:
         return True, ""

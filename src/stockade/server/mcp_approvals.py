@@ -23,7 +23,8 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from stockade import exceptions as exc
 from stockade._display import visible
 from stockade.policy import approval
-from stockade.policy.approval import CLIENT_ACTOR, NOT_A_DECISION, Choice
+from stockade.policy.approval import CLIENT_ACTOR, NOT_A_DECISION
+from stockade.policy.approval_book import Choice
 from stockade.server.mcp_outcomes import Paused, PendingApproval
 from stockade.server.mcp_session import McpAgent, McpSession
 

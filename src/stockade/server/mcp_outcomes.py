@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pydantic import JsonValue
 
 from stockade.models.messages import ToolCall
-from stockade.policy.approval import ApprovalRequest
+from stockade.policy.approval_book import ApprovalRequest
 
 __all__ = ["CallResult", "ClientCall", "Ended", "Outcome", "Paused", "PendingApproval"]
 

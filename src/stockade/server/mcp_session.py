@@ -51,7 +51,8 @@ from stockade.agent.state import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
 from stockade.models.base import Model
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage, Usage
-from stockade.policy.approval import Choice, unanswered
+from stockade.policy.approval import unanswered
+from stockade.policy.approval_book import Choice
 from stockade.policy.schema import Verdict
 from stockade.server.mcp_outcomes import CallResult, ClientCall, Ended, Outcome, Paused, PendingApproval
 from stockade.server.mcp_tools import cancellable, running, serving_resources

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Query, Request
 
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
-from stockade.policy.approval import Choice
+from stockade.policy.approval_book import Choice
 from stockade.runtime.kill_sources import kill_all
 from stockade.server.authz import check_approver
 from stockade.server.bodies import JSONRoute

@@ -10,7 +10,7 @@ import time
 
 from stockade import exceptions as exc
 from stockade.audit.redact import Redactor
-from stockade.policy.approval import SPENT, ApprovalRequest, Choice, keyed, not_pending, redacted
+from stockade.policy.approval_book import SPENT, ApprovalRequest, Choice, keyed, not_pending, redacted
 from stockade.server.state.rows import ENDED, as_int
 from stockade.server.state.store import ServiceStore
 

@@ -23,7 +23,8 @@ from stockade.agent.state import RunState, RunStatus, ToolCallRecord
 from stockade.audit.events import AuditEvent, EventKind
 from stockade.audit.stores import AuditStore, Row, open_store
 from stockade.audit.verify import verify_run
-from stockade.policy.approval import ApprovalStore, Choice
+from stockade.policy.approval_book import Choice
+from stockade.policy.approval_store import ApprovalStore
 from stockade.runs.store import RunStore, RunSummary, open_run_store
 from stockade.server.viewer.timeline import cut, timeline
 from stockade.server.viewer.values import (

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Protocol
 
 from stockade.agent.state import RunStatus
-from stockade.policy.approval import Choice
+from stockade.policy.approval_book import Choice
 
 __all__ = [
     "Entry",

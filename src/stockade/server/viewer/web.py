@@ -47,7 +47,7 @@ from fastapi.responses import Response
 
 from stockade import __version__
 from stockade import exceptions as exc
-from stockade.policy.approval import Choice
+from stockade.policy.approval_book import Choice
 from stockade.server.streams import HeldStream
 from stockade.server.viewer.auth import KeyAuth, ServiceAuth, ViewerAuth
 from stockade.server.viewer.forms import CROSS_SITE, csrf_token, parse_time, same_site
