@@ -17,7 +17,8 @@ pytestmark = pytest.mark.process
 
 DEEP = "/".join(["d"] * 70)
 CHANGED_PAST = (
-    "Left out (changed past the 5,000 files the diff reads: known by size, inode and status change "
+    "Left out (changed past the 5,000 files the diff reads (1,000 of them in folders of dependencies, "
+    "build output or VCS): known by size, inode and status change "
     "time, not read, so not shown (a resumed run's restore changes those too)): 'many/f5999.txt'\n"
 )
 PATCHES = (

@@ -25,7 +25,7 @@ from stockade.server.mcp_outcomes import ClientCall
 from stockade.tools import builtin
 from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
 from stockade.tools.deadline import stopping
-from stockade.tools.workspace_diff import snapshot, workspace_diff
+from stockade.tools.workspace_diff import is_ignored, snapshot, workspace_diff
 
 if TYPE_CHECKING:
     from stockade.server.mcp_session import McpSession
@@ -122,7 +122,9 @@ def _list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
         return str(builtin.list_files.function(ctx, path, depth))
     # a JSON list, not one a line: a name may hold a newline (or \r, \u2028, ...), and split it
     # made resources of files that do not exist
-    served.content = json.dumps(sorted(snapshot(ctx.sandbox, deadline=ctx.deadline)))
+    # the model's view, as list_files shows it: no VCS, caches, dependencies or build output
+    files = snapshot(ctx.sandbox, deadline=ctx.deadline)
+    served.content = json.dumps(sorted(p for p in files if not is_ignored(p)))
     return served.content
 
 

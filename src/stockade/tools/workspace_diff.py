@@ -32,11 +32,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from stockade._vcs import command_files, in_vcs_folder
 from stockade.exceptions import BaselineTampered, BaselineUnreadable, SandboxFileNotFound
 from stockade.sandbox._archive_members import MAX_DEPTH
 from stockade.sandbox._channel import loads_bounded
 from stockade.sandbox._transfers import MAX_LIST_ENTRIES
 from stockade.sandbox.facade import Sandbox
+from stockade.tools._kept_folders import IGNORED_DIRS, Kept, ignored_folder, is_ignored
 from stockade.tools.deadline import checkpoint
 from stockade.types import EntryInfo, EntryType
 
@@ -53,30 +55,13 @@ __all__ = [
 ]
 
 BASELINE = ".stockade/baseline.json"
-IGNORED_DIRS = frozenset(
-    {
-        ".git",
-        ".hg",
-        ".svn",
-        "__pycache__",
-        "node_modules",
-        ".venv",
-        "venv",
-        "build",
-        "dist",
-        "target",
-        ".mypy_cache",
-        ".pytest_cache",
-        ".ruff_cache",
-        ".tox",
-        ".nox",
-        ".stockade",
-        ".eggs",
-    }
-)
 # The most files a snapshot reads (a bound on its time, a read each): past it, a file is known
 # by its size, status change time and inode (``_PAST``), and a change to it is named, not shown.
 MAX_FILES = 5000
+# Of them, the most in folders of dependencies, caches and build output (``is_ignored``) and of
+# VCS, read after all others: a node_modules of 20,000 files took 5,000 reads (2.5 s at each end
+# of a run) where the project had 200.
+MAX_KEPT_FILES = 1000
 MAX_TEXT_BYTES = 512 * 1024
 # Of text held by one snapshot, counted as its baseline's JSON (escapes included); past it, hashes.
 MAX_TEXT_TOTAL = 32 * 1024 * 1024
@@ -135,11 +120,6 @@ _REPOSITORY = "\x00repository"
 _BASELINE_ID = re.compile(r"sha256:([0-9a-f]{64}):([0-9]+)")
 
 
-def is_ignored(path: str) -> bool:
-    """VCS, caches, dependencies and build output: not the project's own files."""
-    return any(part in IGNORED_DIRS or part.endswith(".egg-info") for part in path.split("/"))
-
-
 def _inside(path: str) -> bool:
     """A plain workspace-relative path (what a listing of the workspace should only hold)."""
     return not path.startswith("/") and ".." not in path.split("/")
@@ -157,38 +137,47 @@ def snapshot(
     modes: dict[str, int] | None = None,
     others: list[str] | None = None,
     unlisted: list[str] | None = None,
+    commands: set[str] | None = None,
 ) -> dict[str, str]:
-    """path -> text (or a hash marker for binary and large files), ignored folders left out;
-    ``modes``, if given, is filled with each of those files' permission bits, ``others`` with
-    the paths of what is neither file nor folder (links, FIFOs, sockets: a patch carries none).
+    """path -> text (or a hash marker for binary and large files), the run's baseline file left
+    out; ``modes``, if given, is filled with each of those files' permission bits, ``others``
+    with the paths of what is neither file nor folder (links, FIFOs, sockets: a patch carries
+    none), ``commands`` with the files a VCS tool would run or follow (``_vcs.command_files``).
 
     The host holds at most ``MAX_TEXT_TOTAL`` of text, whatever the workspace holds (5,000
     hard links to one text file of 512 KiB cost the sandbox 512 KiB, and were 2.5 GB here):
     past it, files are hashed a piece at a time, as large files are. Text is counted as the
     baseline's JSON holds it, escapes included. Past ``deadline`` (a ``time.monotonic()``
     reading) no more files are read: they are listed as unread. Past ``MAX_FILES`` files are
-    not read: each is held by its size, status change time and inode. ``unlisted``, if given,
-    is filled with what the listing did not reach (``_UNLISTED``)."""
+    not read: each is held by its size, status change time and inode. The files in folders of
+    dependencies, caches and build output (``is_ignored``) and of VCS come after every other
+    (a large node_modules costs a listing's entries, not reads); a VCS folder's are held by
+    their hash, never their text (a patch never carries them). ``unlisted``, if given, is
+    filled with what the listing did not reach (``_UNLISTED``)."""
     files: dict[str, str] = {}
     room, read = MAX_TEXT_TOTAL, 0
     listing = _listing(sandbox, unlisted)
     if others is not None:
         kinds = (EntryType.SYMLINK, EntryType.OTHER)
-        found = (e.path for e in listing if e.type in kinds and not is_ignored(e.path) and _inside(e.path))
+        found = (e.path for e in listing if e.type in kinds and _inside(e.path))
         others.extend(itertools.islice(found, MAX_FILES))
-    # The files of text first, then the large ones (hashed a piece at a time): a few large
-    # files spent the diff's time before the sources were read (found from outside).
-    # By name within each: the same files fall past MAX_FILES in the baseline and now.
-    for entry in sorted(listing, key=lambda e: (e.size > MAX_TEXT_BYTES, e.path)):
+    plain = [e for e in listing if e.type == EntryType.FILE and _inside(e.path) and e.path != BASELINE]
+    folders = (e.path for e in listing if e.type == EntryType.DIR)
+    hazards = command_files((e.path for e in plain), folders)
+    if commands is not None:
+        commands.update(hazards)
+
+    kept_read = 0
+    for rank, entry in _in_order(plain, hazards):
         checkpoint()
-        if entry.type != EntryType.FILE or is_ignored(entry.path) or not _inside(entry.path):
-            continue
         if modes is not None:
             modes[entry.path] = entry.mode & 0o7777
-        if read >= MAX_FILES:
+        kept = rank > 0
+        if read >= MAX_FILES or (kept and kept_read >= MAX_KEPT_FILES):
             files[entry.path] = _past(entry)
             continue
         read += 1
+        kept_read += kept
         if entry.lossy:
             files[entry.path] = _UNNAMED
             continue
@@ -199,8 +188,10 @@ def snapshot(
             # by what it is rather than what it holds: a sparse file of a TiB costs code nothing
             files[entry.path] = f"\x00stat:{entry.size}:{entry.ctime_ns}:{entry.inode}"
             continue
+        # a VCS folder's files by their hash: never shown, so never text the baseline holds
+        limit = 0 if in_vcs_folder(entry.path) else max(0, min(room, MAX_TEXT_BYTES))
         try:
-            content = _content(sandbox, entry.path, max(0, min(room, MAX_TEXT_BYTES)), deadline)
+            content = _content(sandbox, entry.path, limit, deadline)
         except SandboxFileNotFound:  # removed while we listed
             if modes is not None:  # not kept: the baseline holds no more modes than files
                 del modes[entry.path]
@@ -215,13 +206,37 @@ def snapshot(
     return files
 
 
+def _in_order(plain: list[EntryInfo], hazards: set[str]) -> list[tuple[int, EntryInfo]]:
+    """The files in the order a snapshot reads them, each with its rank: 0 the project's own (a
+    repository's command files are its own), 1 in folders of tools' output, the least crowded
+    folder first (a build/ of a few scripts the project keeps, before node_modules), 2 the rest
+    of VCS folders. The files of text before the large ones (hashed a piece at a time): a few
+    large files spent the diff's time before the sources were read (found from outside). By
+    name within each: the same files fall past the reads in the baseline and now."""
+    folders = {e.path: ignored_folder(e.path) for e in plain}
+    crowds = Counter(folder for folder in folders.values() if folder)
+
+    def order(entry: EntryInfo) -> tuple[int, int, bool, str]:
+        path, large = entry.path, entry.size > MAX_TEXT_BYTES
+        if path in hazards:
+            return 0, 0, large, path
+        if in_vcs_folder(path):
+            return 2, 0, large, path
+        folder = folders[path]
+        return (1, crowds[folder], large, path) if folder else (0, 0, large, path)
+
+    ranked = [(order(entry), entry) for entry in plain]
+    ranked.sort(key=lambda pair: pair[0])
+    return [(key[0], entry) for key, entry in ranked]
+
+
 def _listing(sandbox: Sandbox, unlisted: list[str] | None) -> list[EntryInfo]:
     """The workspace's entries, as deep as a workspace is taken; ``unlisted``, if given, is
     filled with what the listing did not reach (``_UNLISTED``)."""
     found = sandbox.files.list("", depth=MAX_DEPTH + 1)
     if unlisted is not None:
         deep = {e.path.rsplit("/", 1)[0] for e in found if e.path.count("/") >= MAX_DEPTH}
-        unlisted.extend(sorted(p for p in deep if not is_ignored(p) and _inside(p))[:MAX_FILES])
+        unlisted.extend(sorted(p for p in deep if _inside(p))[:MAX_FILES])
         if found.truncated:
             unlisted.append("")
     return [e for e in found if e.path.count("/") < MAX_DEPTH]
@@ -369,8 +384,12 @@ def workspace_diff(
     modes: dict[str, int] = {}
     others: list[str] = []
     unlisted: list[str] = []
-    after = snapshot(sandbox, deadline=deadline, modes=modes, others=others, unlisted=unlisted)
+    commands: set[str] = set()
+    after = snapshot(
+        sandbox, deadline=deadline, modes=modes, others=others, unlisted=unlisted, commands=commands
+    )
     unreached = start.unlisted | set(unlisted)
+    kept = Kept(commands)
     chunks: list[str] = []
     empties: list[str] = []  # after the others: git reads a `---` line after one as its own
     size = 0
@@ -387,6 +406,8 @@ def workspace_diff(
             continue
         if new == _UNREAD:
             unshown.append(path)
+            continue
+        if old != _PAST_UNKNOWN and kept.takes(path, old is None, _same(old, new)):
             continue
         if _beyond(path, old, new, unreached, out=(unread, uncompared)):
             continue
@@ -409,23 +430,22 @@ def workspace_diff(
         size += len(piece)
     chunks += empties
     chunks.extend(_modes_changed(modes_before, modes, keep))
-    if left_out:
-        why = (
-            "the policy does not let the run write there, or the name holds control characters "
-            "or begins or ends with a space"
-        )
-        chunks.append(f"Left out ({why}): {_names(left_out)}\n")
     made = [path for path in sorted(others) if path not in start.others]
-    if made:
-        why = "links, FIFOs or sockets made during the run: a patch carries none"
-        chunks.append(f"Left out ({why}): {_names(made)}\n")
-    if unnamed:
-        why = "names not UTF-8, shown with U+FFFD; not read or compared"
-        chunks.append(f"Left out ({why}): {_names(unnamed)}\n")
-    if unshown:
-        why = f"over the diff's {MAX_DIFF_BYTES // 2**20} MiB or {time_s:g} s; not compared or not shown"
-        chunks.append(f"Left out ({why}): {_names(unshown)}\n")
+    over = f"over the diff's {MAX_DIFF_BYTES // 2**20} MiB or {time_s:g} s; not compared or not shown"
+    for why, paths in (
+        (
+            "the policy does not let the run write there, or the name holds control characters "
+            "or begins or ends with a space",
+            left_out,
+        ),
+        ("links, FIFOs or sockets made during the run: a patch carries none", made),
+        ("names not UTF-8, shown with U+FFFD; not read or compared", unnamed),
+        (over, unshown),
+    ):
+        if paths:
+            chunks.append(f"Left out ({why}): {_names(paths)}\n")
     chunks.extend(_unreached(unread, uncompared, unreached))
+    chunks.extend(kept.lines())
     return "".join(chunks)
 
 
@@ -466,6 +486,12 @@ def _beyond(
     return True
 
 
+_READS = (
+    f"{MAX_FILES:,} files the diff reads ({MAX_KEPT_FILES:,} of them in folders of dependencies, "
+    "build output or VCS)"
+)
+
+
 def _reached_by(path: str, unlisted: set[str]) -> bool:
     """Whether ``path`` is in what a listing did not reach ("": the whole workspace)."""
     return bool(unlisted) and ("" in unlisted or any(path.startswith(f"{d}/") for d in unlisted))
@@ -476,12 +502,12 @@ def _unreached(unread: list[str], uncompared: list[str], unlisted: set[str]) -> 
     out = []
     if unread:
         why = (
-            f"changed past the {MAX_FILES:,} files the diff reads: known by size, inode and status "
+            f"changed past the {_READS}: known by size, inode and status "
             "change time, not read, so not shown (a resumed run's restore changes those too)"
         )
         out.append(f"Left out ({why}): {_names(unread)}\n")
     if uncompared:
-        why = f"past the {MAX_FILES:,} files the diff reads, at the run's start or now; not compared"
+        why = f"past the {_READS}, at the run's start or now; not compared"
         out.append(f"Left out ({why}): {_names(uncompared)}\n")
     deep = sorted(d for d in unlisted if d)
     if deep:

