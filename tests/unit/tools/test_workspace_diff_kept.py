@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from stockade import Sandbox
 from stockade._vcs import in_vcs_folder
-from stockade.runs.handback import withheld
+from stockade.runs.handback import FileState, SeedFiles, withheld
 from stockade.testing import FakeBackend
 from stockade.tools.workspace_diff import BASELINE, record_baseline, workspace_diff
 from stockade.types import EntryType
@@ -178,7 +178,9 @@ def test_every_change_a_copy_brings_back_is_in_the_diff_or_named(
         sbx.files.write(path, text)
     files, folders = _digests(sbx)
     diff = workspace_diff(sbx, baseline=recorded)
-    left = withheld(files, folders, seed=seed, keep=None)
+    states = {path: FileState(digest) for path, digest in files.items()}
+    seeded_files = SeedFiles(files={path: FileState(digest) for path, digest in seed.items()})
+    left = withheld(states, folders, seed=seeded_files, keep=None)
     changed = {p for p in files.keys() | seed.keys() if files.get(p) != seed.get(p)}
     for path in sorted(changed):
         assert _mentioned(path, diff), (path, diff)
