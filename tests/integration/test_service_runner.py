@@ -22,7 +22,8 @@ from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.policy.schema import Decisions
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
-from stockade.server.runner import LEFT_OUT, Runner
+from stockade.server.run_artifacts import LEFT_OUT
+from stockade.server.runner import Runner
 from stockade.server.state.approvals import DatabaseApprovals
 from stockade.server.state.kills import DatabaseKillSource
 from stockade.server.state.rows import WAITING

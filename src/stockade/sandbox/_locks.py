@@ -51,7 +51,7 @@ A lock is found through its owner: a POSIX lock belongs to a descriptor table, a
 when its process closes any descriptor of the file, so it is listed by an open file of a
 process of the sandbox as long as it lives. An OFD lock (``F_OFD_*``) belongs to an open file,
 which can outlive every process (one in flight in a socket's queue): the sandbox's filters
-(``_seccomp``, ``confine.deny_calls``) refuse them with ``EINVAL``, as a kernel before 3.15
+(``_seccomp``, ``callfilters.deny_calls``) refuse them with ``EINVAL``, as a kernel before 3.15
 would, which their users handle (SQLite, glibc and Python's standard library use POSIX
 locks).
 

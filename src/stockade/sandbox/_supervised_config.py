@@ -44,9 +44,9 @@ def supervisor_config(
     at a reset. ``refuse_filters``: the code's kernel is the host's, where each seccomp filter
     is JIT code no cgroup charges, counted against the host's shared ``bpf_jit_limit``: once
     its own filters are in place, the supervisor lets no process add one
-    (``confine.refuse_filters``). ``refuse_memfds``: no exec listener refuses memfds where a
+    (``callfilters.refuse_filters``). ``refuse_memfds``: no exec listener refuses memfds where a
     written program must not run (gVisor's kernel has none): the supervisor's own filter does
-    (``confine.deny_calls``)."""
+    (``callfilters.deny_calls``)."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",

@@ -16,7 +16,8 @@ from typing import Protocol
 
 from stockade import exceptions as exc
 from stockade.server.context import MAX_ATTEMPTS
-from stockade.server.runner import QUOTA_POLL_S, Runner, RunOutcome
+from stockade.server.run_waits import QUOTA_POLL_S
+from stockade.server.runner import Runner, RunOutcome
 from stockade.server.tenants import Tenants, TenantsFile
 
 __all__ = ["QUOTA_POLL_S", "Executor", "InProcessExecutor"]

@@ -24,43 +24,40 @@ While it runs, a run's sandbox holds its share of the tenant's quota (its CPUs a
 one of its ``sandboxes``) beside the API's sandboxes (``ServiceStore.hold_run``); a run with no
 room waits queued (``QuotaExceeded`` from ``execute``: the executor asks again later, without
 holding a thread or a worker meanwhile).
+
+What a run's spec makes of its model, budgets and tools is ``run_spec``; how a run waits off
+its worker is ``run_waits``; its seed and its artifacts are ``run_artifacts``: the last two
+are bases of ``Runner``, which keeps the start, the drive and the end of a run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import re
-import shutil
 import socket
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from stockade import exceptions as exc
-from stockade.agent import RunLimits, RunStatus
+from stockade.agent import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, build_agent
 from stockade.assembly.guards import record_denial
 from stockade.audit.events import EventKind
-from stockade.models.base import Model, resolve_model
-from stockade.models.messages import ModelResponse, ToolCall
-from stockade.models.scripted import ScriptedModel
 from stockade.policy.engine import PolicyEngine
-from stockade.runs.handback import prune_folder
-from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.snapshots import release_run_snapshots
 from stockade.runs.store import RunStore
-from stockade.runtime.events import LimitHit, RuntimeEvent
+from stockade.runtime.events import LimitHit
 from stockade.server.authz import check_acceptance_check
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, gave_up
+from stockade.server.run_artifacts import RunArtifacts
+from stockade.server.run_spec import build_model, load_toolset, run_limits, scripted_model
+from stockade.server.run_waits import DEFERRED, QUOTA_POLL_S, Deferral, RunWaits, quota_wait_s
 from stockade.server.schemas import RunSubmit
 from stockade.server.scratch import collect as collect_scratch
-from stockade.server.scratch import scratch
 from stockade.server.state.approvals import DatabaseApprovals
 from stockade.server.state.kills import DatabaseKillSource
 from stockade.server.state.rows import HELD, STARTABLE, TERMINAL, WAITING, RunRow
@@ -68,97 +65,18 @@ from stockade.server.state.schema import open_database
 from stockade.server.state.store import ServiceStore
 from stockade.server.tenants import Tenant, check_share
 from stockade.server.wakes import Wakes
-from stockade.tools.base import Toolset
-from stockade.tools.builtin import default_toolset
-from stockade.types import Limits, MiB
+from stockade.types import Limits
 
 __all__ = [
     "QUOTA_POLL_S", "RunOutcome", "Runner", "load_toolset", "quota_wait_s", "scripted_model",
 ]  # fmt: skip
 
 log = logging.getLogger("stockade.runner")
-QUOTA_POLL_S = 2.0  # how often a run that waits for room in its tenant's quota asks again
-QUOTA_POLL_MAX_S = 30.0
 
 
 def described(error: exc.StockadeError) -> str:
     """A run's error as the loop words one (``RunResult.error``): the class, then what it says."""
     return f"{type(error).__name__}: {error}"
-
-
-def quota_wait_s(queued: int, sandboxes: int) -> float:
-    """When a run that found its tenant's quota full asks again: every ``QUOTA_POLL_S`` while
-    its tenant has no more runs queued than sandboxes, then as much longer as it has more (up
-    to ``QUOTA_POLL_MAX_S``). All of a tenant's waiting runs ask at the same pace (no run asks
-    more often for being younger), together about one ask every ``QUOTA_POLL_S`` per sandbox of
-    the quota until the cap: 1,000 queued runs asked 500 times a second; now ~33."""
-    return min(QUOTA_POLL_MAX_S, QUOTA_POLL_S * max(1.0, queued / max(1, sandboxes)))
-
-
-_TURNS: TypeAdapter[list[str | ToolCall | list[ToolCall] | ModelResponse]] = TypeAdapter(
-    list[str | ToolCall | list[ToolCall] | ModelResponse]
-)
-MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
-# Inside a run's artifacts: what they leave out of its workspace, a line per reason (a folder a
-# copy carries, ``_state.CARRIED``; written only when something was left out).
-LEFT_OUT = ".stockade/reports/left-out.txt"
-MAX_SHARES = 10_000
-# how a run that waits for its tenant's window says so (``RunRow.error``, shown by the API)
-DEFERRED = "waiting off the worker for the tenant's"
-
-
-def scripted_model(turns: list[object]) -> ScriptedModel:
-    """A scripted model from the turns a request carries (never a file of the server's)."""
-    try:
-        parsed = _TURNS.validate_python(turns)
-    except ValidationError as error:
-        first = error.errors()[0]
-        raise exc.InvalidArgument(
-            f"scripted turn {'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
-            argument="scripted",
-            fix='give a list of turns: "answer", {"name": TOOL, "args": {...}}, or a list of those',
-        ) from None
-    return ScriptedModel(parsed, name="scripted")
-
-
-def run_limits(spec: RunSubmit) -> RunLimits:
-    """The run's budgets (``InvalidArgument`` for one ``RunLimits`` refuses): asked at
-    submission too, so that no run is queued only to fail at its start."""
-    limits = spec.limits
-    return RunLimits(
-        max_steps=limits.max_steps, max_wall_s=limits.max_wall_s,
-        max_tokens=limits.max_tokens, max_cost_usd=limits.max_cost_usd,
-        max_pending_approvals=limits.max_pending_approvals,
-    )  # fmt: skip
-
-
-def build_model(spec: RunSubmit) -> Model:
-    if spec.scripted is not None:
-        return scripted_model(list(spec.scripted))
-    if spec.model is None:
-        raise exc.InvalidArgument("no model", argument="model", fix="give model (PROVIDER:NAME) or scripted")
-    if spec.model.startswith("scripted:"):
-        raise exc.InvalidArgument(
-            "scripted:FILE names a file of the server's",
-            argument="model",
-            fix="send the turns themselves in `scripted`",
-        )
-    return resolve_model(spec.model)
-
-
-def load_toolset(reference: str | None) -> Toolset:
-    """The default tools, or the ``Toolset`` at ``module:attribute`` (a worker's own tools)."""
-    if reference is None:
-        return default_toolset()
-    module, _, attribute = reference.partition(":")
-    try:
-        found = getattr(importlib.import_module(module), attribute or "toolset")
-    except (ImportError, AttributeError) as error:
-        raise exc.ConfigurationError(f"cannot load the tools {reference!r}: {error}") from None
-    toolset = found() if callable(found) and not isinstance(found, Toolset) else found
-    if not isinstance(toolset, Toolset):
-        raise exc.ConfigurationError(f"{reference!r} is not a Toolset")
-    return toolset
 
 
 # how the agent loop words a pause: a local command, which does nothing to a service's run
@@ -174,17 +92,6 @@ def _service_words(error: str | None) -> str | None:
     )
 
 
-class _Deferral:
-    """The run's last refusal that stopped it to wait off its worker (a ``LimitWait``)."""
-
-    def __init__(self) -> None:
-        self.hit: LimitHit | None = None
-
-    def __call__(self, event: RuntimeEvent) -> None:
-        if isinstance(event, LimitHit) and event.action == "defer":
-            self.hit = event
-
-
 @dataclass(frozen=True, kw_only=True)
 class RunOutcome:
     run_id: str
@@ -192,7 +99,7 @@ class RunOutcome:
     error: str | None = None
 
 
-class Runner:
+class Runner(RunArtifacts, RunWaits):
     """Everything runs of one process share: the database, audit logs, limits, tools."""
 
     def __init__(self, config: ServiceConfig, *, name: str | None = None) -> None:
@@ -219,12 +126,6 @@ class Runner:
             sessions = list(self._sessions.values())
         for session in sessions:
             session.interrupt(reason)
-
-    def quota_wait_s(self, tenant: Tenant | None) -> float:
-        """When a run of ``tenant`` whose quota was full asks again (``quota_wait_s``)."""
-        if tenant is None:
-            return quota_wait_s(1, 1)
-        return quota_wait_s(self.store.queued_count(tenant.id), tenant.quotas.sandboxes)
 
     def failed_attempt(self, run_id: str, tenant: Tenant | None, why: str) -> bool:
         """Count a failed attempt of the run (its worker died holding it, a retryable error);
@@ -254,25 +155,6 @@ class Runner:
         self.audit.close()
         self.runs.close()
         self.store.close()
-
-    @contextlib.contextmanager
-    def _seed(self, tenant: Tenant, run_id: str, digest: str | None) -> Iterator[Path | None]:
-        """The workspace the run starts from: its role's upload (checked when it was submitted).
-        A run submitted before workspaces had a role (they were the tenant's) may start from
-        one kept from then, which names no role."""
-        with scratch("run", self.config.temp_dir) as tmp:
-            if digest is None:
-                yield None
-                return
-            row = self.store.run_head(run_id)
-            role = row.role if row is not None else None
-            data = self.store.workspace(tenant.id, role, digest)
-            if data is None and role is not None:
-                data = self.store.workspace(tenant.id, None, digest)
-            if data is None:
-                raise exc.ResourceNotFound(f"no workspace {digest!r}", kind="workspace", id=digest)
-            unpack_seed(data, Path(tmp) / "workspace")
-            yield Path(tmp) / "workspace"
 
     def execute(self, run_id: str, tenant: Tenant | None) -> RunOutcome:
         """Run ``run_id`` until it ends or pauses. Raises ``RunLeased`` (another process runs
@@ -327,7 +209,7 @@ class Runner:
             # whole sandbox, outside the quota, and wrote itself in as the run's worker).
             raise exc.RunLeased(f"run {run_id} runs in another process", retry_after=self.runs.lease_s)
         resume = summary is not None
-        deferral = _Deferral()
+        deferral = Deferral()
         prepared: tuple[RunSubmit, AgentConfig] | None = None
         share = self._shares.get(run_id)
         if share is None:  # the first time this process sees it: the spec gives the share
@@ -349,7 +231,7 @@ class Runner:
 
     def _drive(
         self, run_id: str, tenant: Tenant, spec: RunSubmit, config: AgentConfig, *, resume: bool,
-        deferral: _Deferral,
+        deferral: Deferral,
     ) -> RunOutcome:  # fmt: skip
         """Run it (it holds its share and is "running") to where it ends or stops."""
         try:
@@ -415,7 +297,7 @@ class Runner:
         return RunOutcome(run_id=run_id, status=status)
 
     def _prepare(
-        self, run_id: str, row: RunRow, tenant: Tenant, deferral: _Deferral
+        self, run_id: str, row: RunRow, tenant: Tenant, deferral: Deferral
     ) -> tuple[RunSubmit, AgentConfig] | None:
         """The run's spec and its agent's configuration; None when they are wrong (the run
         ended "error", saying why) or its check is no longer its role's to run ("denied")."""
@@ -490,13 +372,6 @@ class Runner:
             return RunOutcome(run_id=run_id, status="missing")
         return RunOutcome(run_id=run_id, status=now.status, error=now.error)
 
-    def _remember_share(self, run_id: str, share: Limits) -> None:
-        """What a run waiting for room in its quota asks for, kept between its asks (bounded:
-        a run forgotten is only read again)."""
-        if len(self._shares) >= MAX_SHARES:
-            self._shares.clear()
-        self._shares[run_id] = share
-
     def _defer(self, run_id: str, hit: LimitHit) -> RunOutcome:
         """The run stopped at its tenant's full window (``LimitWait``): it waits queued, its
         quota and its worker free, and the executor runs it again after the wait."""
@@ -505,17 +380,6 @@ class Runner:
         if not self.store.set_status(run_id, "queued", error=why, only_from=["running"]):
             return self._as_stored(run_id)  # killed meanwhile: as it is
         raise exc.RunDeferred(why, kind=hit.kind, retry_after=wait)
-
-    def _still_waiting(self, row: RunRow, tenant: Tenant) -> exc.RunDeferred | None:
-        """A run that waits for its tenant's rate window, run again before it has room (early,
-        or its tenant's other runs took it): waits on, without starting its sandbox."""
-        limit = self.limits.actions(tenant)
-        if row.status != "queued" or not (row.error or "").startswith(DEFERRED) or limit is None:
-            return None
-        verdict = limit.peek(f"tenant:{tenant.id}")
-        if verdict.allowed:
-            return None
-        return exc.RunDeferred(row.error or DEFERRED, kind="rate", retry_after=max(verdict.retry_after, 1.0))
 
     def _start(
         self, run_id: str, row: RunRow, tenant: Tenant, share: Limits, *, resume: bool,
@@ -568,73 +432,3 @@ class Runner:
             return None
         self.store.drop_hold(run_id)
         return self._as_stored(run_id)
-
-    def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
-        """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns), but what
-        a copy on the host leaves out (``runs.handback``), named in ``LEFT_OUT`` inside it."""
-        with scratch("artifacts", self.config.temp_dir) as tmp:
-            out = Path(tmp) / "out"
-            try:
-                session.save_workspace(out)
-                left = prune_folder(
-                    out, seed=self.runs.seed_files(run_id), keep=session.owner.engine.hands_back
-                )
-                _name_left_out(out, left.lines())
-            except (exc.StockadeError, OSError) as error:
-                log.warning("run %s: its artifacts were not kept: %s", run_id, error)
-                return
-            self._put_artifacts(run_id, tenant, out)
-
-    def _rebuild_artifacts(self, run_id: str, tenant: Tenant) -> None:
-        """The artifacts of a run that ended without them: its last recorded workspace (each
-        tool call records it, less what an export leaves out), or, a run that called no tool,
-        the workspace it started from."""
-        with scratch("artifacts", self.config.temp_dir) as tmp:
-            out = Path(tmp) / "out"
-            try:
-                if self.runs.workspace_usage(run_id).versions:
-                    exported = self.runs.export_workspace(run_id, out)
-                    _name_left_out(out, exported.withheld.lines())
-                else:
-                    with self._seed(tenant, run_id, self._spec_workspace(run_id)) as seed:
-                        if seed is None:
-                            out.mkdir()
-                        else:
-                            shutil.copytree(seed, out, symlinks=True)
-            except (exc.StockadeError, OSError) as error:
-                log.warning("run %s: its artifacts were not rebuilt: %s", run_id, error)
-                return
-            self._put_artifacts(run_id, tenant, out)
-
-    def _spec_workspace(self, run_id: str) -> str | None:
-        workspace = (self.store.run_spec(run_id) or {}).get("workspace")
-        return workspace if isinstance(workspace, str) else None
-
-    def _put_artifacts(self, run_id: str, tenant: Tenant, folder: Path) -> None:
-        try:
-            seed = pack_workspace(folder, max_bytes=MAX_ARTIFACT_BYTES)
-        except exc.StockadeError as error:
-            log.warning("run %s: its artifacts were not kept: %s", run_id, error)
-            return
-        if not self.store.put_artifacts(
-            run_id, seed.digest, seed.data, len(seed.data), max_bytes=tenant.quotas.storage_mb * MiB
-        ):
-            log.warning("run %s: its artifacts were not kept: its tenant's storage_mb quota is full", run_id)
-
-
-def _name_left_out(out: Path, lines: list[str]) -> None:
-    """Write ``LEFT_OUT`` into the artifacts' folder when anything was left out (over whatever
-    the run's code put there)."""
-    if not lines:
-        return
-    folder = out
-    for part in Path(LEFT_OUT).parent.parts:  # never through a link the run's code left there
-        folder = folder / part
-        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-            folder.unlink()
-        folder.mkdir(exist_ok=True)
-    note = out / LEFT_OUT
-    note.unlink(missing_ok=True)
-    fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as file:
-        file.write("\n".join(lines) + "\n")

@@ -31,8 +31,8 @@ from stockade.server.authz import (
 )
 from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
+from stockade.server.run_spec import build_model, run_limits
 from stockade.server.run_views import blocking, owned_run, owns, run_out, runs_quota
-from stockade.server.runner import build_model, run_limits
 from stockade.server.schemas import RunOut, RunSubmit
 from stockade.server.service import Service
 from stockade.server.tenants import Principal, check_share

@@ -5,7 +5,7 @@ POSIX locks, SQLite, threads and subprocesses work.
 
 Each filter is installed in a fresh Python here, as a sandbox's first process installs it:
 the process tier's (``_seccomp.filter_bpf``, which bubblewrap loads) and the container tiers'
-(``confine.deny_calls``, the supervisor's own). The sandboxes themselves are in the
+(``callfilters.deny_calls``, the supervisor's own). The sandboxes themselves are in the
 integration tests (``test_host_limits``)."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ assert libc.prctl(22, 2, ctypes.byref(Program(len(code) // 8, ctypes.addressof(b
 CONTAINER_TIERS = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-import confine
-confine.deny_calls([], netlink=True, datagrams=True, locks=True)
+import callfilters
+callfilters.deny_calls([], netlink=True, datagrams=True, locks=True)
 """
 PROBE = r"""
 import ctypes, errno, fcntl, json, os, sqlite3, struct, subprocess, tempfile, threading

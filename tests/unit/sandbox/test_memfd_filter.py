@@ -1,4 +1,4 @@
-"""``confine.deny_calls(no_memfd=True)``: where no exec listener refuses memfds (gVisor), the
+"""``callfilters.deny_calls(no_memfd=True)``: where no exec listener refuses memfds (gVisor), the
 supervisor's own filter fails memfd_create and memfd_secret with EPERM, even where the
 filter also refuses memfd_secret by its list (ENOSYS), while the rest of the list keeps its
 ENOSYS and everything else works. Installed in a fresh Python, as the supervisor installs it
@@ -20,17 +20,19 @@ SUPERVISOR = Path(_judge.SOURCE).parent
 PROBE = r"""
 import ctypes, errno, json, os, sys
 sys.path.insert(0, sys.argv[1])
-import confine
+import callfilters
 libc = ctypes.CDLL(None, use_errno=True)
 def outcome(result):
     return "done" if result >= 0 else errno.errorcode[ctypes.get_errno()]
-confine.deny_calls(
-    (confine.NR_IO_SETUP, confine.NR_MEMFD_SECRET), guard_init=True, no_memfd=sys.argv[2] == "no_memfd"
+callfilters.deny_calls(
+    (callfilters.NR_IO_SETUP, callfilters.NR_MEMFD_SECRET),
+    guard_init=True,
+    no_memfd=sys.argv[2] == "no_memfd",
 )
 found = {
     "memfd_create": outcome(libc.memfd_create(b"program", 0)),
-    "memfd_secret": outcome(libc.syscall(confine.NR_MEMFD_SECRET, 0)),
-    "io_setup": outcome(libc.syscall(confine.NR_IO_SETUP, 1, ctypes.byref(ctypes.c_ulong(0)))),
+    "memfd_secret": outcome(libc.syscall(callfilters.NR_MEMFD_SECRET, 0)),
+    "io_setup": outcome(libc.syscall(callfilters.NR_IO_SETUP, 1, ctypes.byref(ctypes.c_ulong(0)))),
     "pipe": outcome(os.pipe()[0]),
     "fork": os.waitstatus_to_exitcode(os.waitpid(os.fork() or os._exit(3), 0)[1]),
 }

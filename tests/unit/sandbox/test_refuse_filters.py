@@ -1,5 +1,5 @@
-"""``confine.refuse_filters``: no seccomp filter may be added after it, by either route and
-with any flags, while the calls that load nothing (asking what an action is, which mode a
+"""``callfilters.refuse_filters``: no seccomp filter may be added after it, by either route
+and with any flags, while the calls that load nothing (asking what an action is, which mode a
 process is in) and everything else work. Installed in a fresh Python, as the supervisor
 installs it on itself; the sandboxes are in the integration tests (``test_host_limits``)."""
 
@@ -17,7 +17,7 @@ SUPERVISOR = Path(_judge.SOURCE).parent
 PROBE = r"""
 import ctypes, errno, json, os, struct, sys
 sys.path.insert(0, sys.argv[1])
-import confine
+import callfilters
 libc = ctypes.CDLL(None, use_errno=True)
 allow = ctypes.create_string_buffer(struct.pack("HBBI", 6, 0, 0, 0x7FFF0000))
 program = struct.pack("HxxxxxxQ", 1, ctypes.addressof(allow))
@@ -33,7 +33,7 @@ calls = {
     "other_prctl": lambda: libc.prctl(7, 0, 0, 0, 0),  # PR_GET_KEEPCAPS
 }
 before = {name: outcome(call()) for name, call in calls.items() if name.startswith(("action", "other"))}
-confine.refuse_filters()
+callfilters.refuse_filters()
 after = {name: outcome(call()) for name, call in calls.items()}
 after["fork"] = os.waitstatus_to_exitcode(os.waitpid(os.fork() or os._exit(3), 0)[1])
 print(json.dumps([before, after]))

@@ -93,3 +93,14 @@ def test_the_rules_and_the_relay_load_their_own_modules_where_used() -> None:
     }
     assert _imported_at_start("egress", siblings - {"egress"}) == set()
     assert _imported_at_start("egressmux", siblings - {"egressmux"}) == {"egress"}
+
+
+def test_a_start_that_refuses_calls_loads_the_call_filters_alone() -> None:
+    # A start on gVisor, or under a tier's kernel filters, installs the calls it refuses
+    # (callfilters) and none of the policy's rules (confine, Landlock and the exec listener):
+    # it loads one module of ours beside the start's, not the rules' too. The rules' Python
+    # set-up goes through both.
+    siblings = {n.removesuffix(".py") for n in MODULES}
+    assert _imported_at_start("callfilters", siblings - {"callfilters"}) == {"libc"}
+    assert _imported_at_start("confine", siblings - {"confine"}) == {"callfilters", "libc"}
+    assert _imported_at_start("noexec", siblings - {"noexec"}) == {"libc"}

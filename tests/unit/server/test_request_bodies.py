@@ -17,7 +17,7 @@ from stockade.client._http import error_from
 from stockade.server.app import create_app
 from stockade.server.bodies import ANONYMOUS_BODY_BYTES
 from stockade.server.context import ServiceConfig
-from stockade.server.runner import run_limits
+from stockade.server.run_spec import run_limits
 from stockade.server.schemas import RunLimitsIn, RunSubmit, SandboxCreate
 from stockade.server.service import Service
 from stockade.server.tenants import Tenant, Tenants, new_token

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
-from stockade.server.runner import DEFERRED, QUOTA_POLL_S, Runner
+from stockade.server.run_waits import DEFERRED, QUOTA_POLL_S
+from stockade.server.runner import Runner
 from stockade.server.tenants import Tenant
 from tests.integration.service_env import runner_on_sqlite, write_tenants
 

@@ -270,7 +270,7 @@ def unlisted_ipc() -> "tuple[int, ...]":
     does not list them (/proc/sysvipc, which ``remove_sysv_ipc`` reads), POSIX queues where
     /dev/mqueue is no mount to empty. gVisor's kernel does neither, and the next user read a
     segment, a queue and a semaphore the last one made; there code may make none
-    (``confine.deny_calls``)."""
+    (``callfilters.deny_calls``)."""
     calls: "tuple[int, ...]" = ()
     if not os.path.isdir("/proc/sysvipc"):
         calls += (NR_SHMGET, NR_SEMGET, NR_MSGGET)

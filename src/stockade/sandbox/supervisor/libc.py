@@ -1,5 +1,6 @@
-"""libc's functions, called through ``_ctypes`` directly, and what the supervisor sets of its
-own process with them: ``prctl``, malloc's arenas and scrubbing, a page forks leave out.
+"""libc's functions, called through ``_ctypes`` directly, a buffer pinned for the kernel to
+read (``pin``), and what the supervisor sets of its own process with them: ``prctl``,
+malloc's arenas and scrubbing, a page forks leave out.
 
 Apart from the process trees (``proctree.py``) and the shims (``reaper.py``) because the
 supervisor's other modules call libc too (the confinement, the file operations, the
@@ -14,7 +15,7 @@ import resource
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, List, Tuple
 
 
 PR_GET_DUMPABLE = 3
@@ -72,6 +73,25 @@ def libc(name: str, *args: int) -> int:
         err = _ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return result
+
+
+_BYTE: "List[Any]" = []  # the one-byte C type, made once (a class costs to make)
+
+
+def pin(data: bytes) -> "Tuple[Any, int]":
+    """A C-visible copy of ``data`` and its address: the first must be kept while the
+    kernel may read the second (the buffer cannot move or be freed under it)."""
+    import _ctypes
+
+    if not _BYTE:
+
+        class c_char(_ctypes._SimpleCData):
+            _type_ = "c"
+
+        _BYTE.append(c_char)
+    buf = bytearray(data)
+    view = _BYTE[0].from_buffer(buf)  # holds buf, and locks its size
+    return view, _ctypes.addressof(view)
 
 
 PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MADV_DONTFORK = 1, 2, 2, 0x20, 10

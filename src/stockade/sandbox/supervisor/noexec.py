@@ -12,7 +12,7 @@ a mount (unshare, setns, clone's namespace flags, mount, umount2, pivot_root, th
 API), for it and all it starts: code cannot make a view where the flag is cleared.
 
 Standard library only: calls go through ``libc.libc``, buffers are pinned by
-``confine._pinned``.
+``libc.pin``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from __future__ import annotations
 import os
 import struct
 
-from confine import _pinned
-from libc import libc
+from libc import libc, pin
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -65,15 +64,15 @@ def remount_noexec(place: str) -> None:
     for shown, flag in KEPT:
         if had & shown:
             flags |= flag
-    _held, target = _pinned(os.fsencode(place) + b"\0")
+    _held, target = pin(os.fsencode(place) + b"\0")
     libc("syscall", SYS_MOUNT, 0, target, 0, flags, 0)
 
 
 def drop_capabilities() -> None:
     """Give up every capability the new user namespace gave us: effective, permitted and
     inheritable, so that no fork (the zygote's interpreters are not exec'd) has any."""
-    _held_header, header = _pinned(struct.pack("=Ii", CAP_VERSION_3, 0))
-    _held_data, data = _pinned(bytes(24))  # two of (effective, permitted, inheritable)
+    _held_header, header = pin(struct.pack("=Ii", CAP_VERSION_3, 0))
+    _held_data, data = pin(bytes(24))  # two of (effective, permitted, inheritable)
     libc("syscall", SYS_CAPSET, header, data)
 
 

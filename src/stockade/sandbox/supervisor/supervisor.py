@@ -411,15 +411,15 @@ def main() -> None:
     # after ours (configure made the shim's), the filter below refuses them to all.
     no_memfd = bool(sup.config.get("no_memfd"))
     if unlisted or kernel or no_memfd:
-        import confine  # type: ignore[import-not-found]  # (only here: a start needs none of it)
+        import callfilters  # type: ignore[import-not-found]  # (only here: a start needs none of it)
 
         # before anything is forked; kept across a reset's exec (filters outlive an image).
         # gVisor's kernel (``unlisted``) lets code signal its init as any process: we refuse
         # it (a Linux kernel's init ignores what it has no handler for, SIGSTOP and SIGKILL
         # included; a microVM's supervisor is its kernel's init).
-        calls = unlisted + ((confine.NR_IO_SETUP, confine.NR_MEMFD_SECRET) if kernel else ())
+        calls = unlisted + ((callfilters.NR_IO_SETUP, callfilters.NR_MEMFD_SECRET) if kernel else ())
         datagrams = bool(kernel and kernel.get("datagrams"))
-        confine.deny_calls(
+        callfilters.deny_calls(
             calls,
             netlink=bool(kernel),
             datagrams=datagrams,
@@ -433,14 +433,14 @@ def main() -> None:
     if sup.config.get("seal"):
         ready["mac"] = best_mac()  # the seal's, for the host (protocol.Seal)
     sup.send(ready)
-    if sup.config.get("no_filters"):  # the code's kernel is the host's (``confine.refuse_filters``)
-        import confine  # type: ignore[import-not-found]
+    if sup.config.get("no_filters"):  # the code's kernel is the host's (``callfilters.refuse_filters``)
+        import callfilters  # type: ignore[import-not-found]
 
         # Last, after the exec listener (configure) and the filter above, off the create's
         # path (~0.8 ms), and before the judge's thread (a filter holds for the thread that
         # installs it and what it forks later: the judge spawns commands) and any fork; no
         # request is read before serve(). A reset's exec keeps it (none is installed again).
-        confine.refuse_filters()
+        callfilters.refuse_filters()
     sup.start_judge()
     sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
