@@ -486,3 +486,127 @@ def test_a_file_listed_by_another_programs_command_is_answered_by_judge_c_only_a
         said = fast(config, len(config), *names, b"x", 2, st.st_size, st.st_dev, st.st_ino)
         verdict = judge.judge(os.getpid(), str(programs / "git-status"), argv)
         assert (bool(said), verdict) == (runs, ("allow", None) if runs else ("deny", "commands.allow"))
+
+
+THREAD_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import rules
+import proctree
+
+class Sup:
+    class workspace:
+        root = sys.argv[2]
+
+r = rules.Rules(Sup(), {"commands": {"deny": [["curl"]]}})
+r.start()
+pid = os.fork()  # a shim's start: its exec judged by the thread (our filter is on us now)
+if pid == 0:
+    os.setsid()
+    r.confine(True)
+    os.execv("/bin/true", ["true"])
+children = proctree.own_children()
+os.waitpid(pid, 0)
+tid = r.fast.tid if r.fast is not None else 0
+with open("/proc/self/task/%d/children" % tid) as fh:
+    its = fh.read().split()
+tasks = sorted(map(int, os.listdir("/proc/self/task")))
+print(json.dumps({"notify": r.notify, "tid": tid, "me": os.getpid(), "tasks": tasks,
+                  "children": sorted(children or ()), "pid": pid, "its": its}))
+"""
+
+
+def test_the_compiled_judges_thread_is_known_by_its_id_and_never_has_a_child(tmp_path: Path) -> None:
+    """stockade_judge returns its thread's id: the look for strays after each command
+    (``jobs.sweep_strays``) skips that thread's children file, a /proc file opened and read
+    a command (9-15 us on this project's machine), since the thread forks nothing."""
+    import json
+    import subprocess
+
+    folder = _supervisor_with_compiled_judge(tmp_path)
+    (tmp_path / "ws").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", THREAD_PROBE, str(folder), str(tmp_path / "ws")],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    got = json.loads(done.stdout)
+    require("seccomp user notification", got["notify"], "this kernel has none")
+    assert got["tid"] != got["me"]
+    assert got["tasks"] == sorted([got["me"], got["tid"]])
+    assert got["children"] == [got["pid"]]  # the main thread's: the one child of the probe
+    assert got["its"] == []
+
+
+MOUNT_PROBE = r"""
+import json, os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+import rules
+
+ws = sys.argv[2]
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", ws + "/mnt"], check=True)
+
+
+class Sup:
+    class workspace:
+        root = ws
+
+
+r = rules.Rules(Sup(), {"write": [ws + "/mnt/", ws + "/src/"], "judge": "compiled"})
+# What no process of a sandbox can do: the mount taken away, the folder beneath in its place.
+subprocess.run(["umount", ws + "/mnt"], check=True)
+
+
+def shim():
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        got = {}
+        done = r.confine()
+        for name in ("mnt", "src"):
+            try:
+                with open(os.path.join(ws, name, "new"), "w"):
+                    got[name] = True
+            except OSError:
+                got[name] = False
+        os.write(wr, json.dumps(got).encode())
+        os._exit(0)
+    os.close(wr)
+    data = os.read(rd, 4096)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+print(json.dumps({"compiled": r._confine_c is not None, "landlock": r.landlock, "shim": shim()}))
+"""
+
+
+def test_a_written_mounts_root_is_not_looked_at_again_before_each_command(tmp_path: Path) -> None:
+    """judge.c checks before each command that no written folder was replaced since the
+    ruleset was built (an lstat each), but not a mount's root (/tmp, /dev, /proc): it cannot
+    be removed or renamed over while mounted, and nothing in a sandbox mounts. Three lstats
+    fewer a command under write rules. Shown here by what a sandbox cannot do: the mount
+    taken away under the rules leaves its rule on the mount's root, so the folder beneath is
+    not writable (a failure that is closed), while a written plain folder is still checked."""
+    import json
+    import subprocess
+    import tempfile
+
+    require("unshare", shutil.which("unshare") is not None, "util-linux is not installed")
+    folder = _supervisor_with_compiled_judge(tmp_path)
+    # Not beneath /tmp, which code may always write.
+    workspace = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        for name in ("mnt", "src"):
+            (workspace / name).mkdir()
+        done = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", MOUNT_PROBE,
+             str(folder), str(workspace)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workspace)
+    require("a user and mount namespace", done.returncode == 0, done.stderr[-300:])
+    got = json.loads(done.stdout)
+    require("Landlock", got["landlock"], "this kernel has none")
+    assert got["compiled"]
+    assert got["shim"] == {"mnt": False, "src": True}

@@ -34,3 +34,34 @@ def test_no_wait_for_processes_already_gone() -> None:
     started = time.monotonic()
     proctree.wait_gone([child.pid], 5.0)
     assert time.monotonic() - started < (2.0 if hasattr(os, "pidfd_open") else 6.0)
+
+
+def test_our_children_are_read_from_every_thread_but_those_said_childless() -> None:
+    """``own_children`` reads each thread's children file (a child's parent is the thread
+    that forked it), but not a thread it is told never forks (the compiled judge's): one
+    /proc file less opened after each command."""
+    import threading
+
+    forked = threading.Event()
+    done = threading.Event()
+    started: list[tuple[int, subprocess.Popen[bytes]]] = []
+
+    def fork_here() -> None:
+        started.append((threading.get_native_id(), subprocess.Popen(["sleep", "30"])))
+        forked.set()
+        done.wait(30)  # alive, and the child's parent, while we look
+
+    thread = threading.Thread(target=fork_here)
+    thread.start()
+    try:
+        assert forked.wait(30)
+        tid, child = started[0]
+        try:
+            assert child.pid in (proctree.own_children() or set())
+            assert child.pid not in (proctree.own_children(frozenset((tid,))) or set())
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        done.set()
+        thread.join()

@@ -195,10 +195,13 @@ class FastJudge:
     """The running thread, seen from the supervisor: ``forwards`` is what its loop waits on
     (the execs left to Python), ``records`` what the thread let run."""
 
-    def __init__(self, forwards: int, records: int, stop: int) -> None:
+    def __init__(self, forwards: int, records: int, stop: int, tid: int = 0) -> None:
         self.forwards = forwards
         self._records = records
         self._stop = stop
+        # Its thread's id: a thread that never forks, whose children the look for strays
+        # need not read (``proctree.own_children``: a /proc file opened a command).
+        self.tid = tid
 
     @classmethod
     def start(cls, entry: int, listener: int, rules: bytes) -> "Optional[FastJudge]":
@@ -221,11 +224,12 @@ class FastJudge:
                 pass
         # A thread of its own making (a raw clone), that never takes the GIL: the call
         # returns once it runs, and it owns the listener from then on.
-        if _ctypes.call_function(entry, (listener, forward_w, records_w, stop_r, rules, len(rules))):
+        tid = _ctypes.call_function(entry, (listener, forward_w, records_w, stop_r, rules, len(rules)))
+        if tid <= 0:
             for fd in (forward_r, forward_w, records_r, records_w, stop_r, stop_w):
                 os.close(fd)
             return None
-        return cls(forward_r, records_r, stop_w)
+        return cls(forward_r, records_r, stop_w, tid)
 
     def read_records(self) -> bytes:
         """The records of the execs it let run since the last call, as judge.c wrote them

@@ -446,7 +446,8 @@ def sweep_strays(sup: "Supervisor") -> None:
         known.add(sup.interpreter.shim)
     if sup.zygote is not None and sup.zygote.alive:
         known.add(sup.zygote.pid)
-    children = own_children()
+    fast = sup.rules.fast if sup.rules is not None else None
+    children = own_children(frozenset((fast.tid,)) if fast is not None else frozenset())
     if children is not None and children <= known:
         # No stray: every process of ours descends from a child of ours, and each of those
         # is a shim, the interpreter's or the zygote (an orphan comes to us as a child, when

@@ -51,6 +51,9 @@ typedef int i32;
 #define SYS_waitid 247
 #define SYS_openat 257
 #define SYS_openat2 437
+#define SYS_statx 332
+#define AT_SYMLINK_NOFOLLOW 0x100
+#define STATX_ATTR_MOUNT_ROOT 0x2000
 #define SYS_readlinkat 267
 #define SYS_prctl 157
 #define SYS_mkdir 83
@@ -913,7 +916,8 @@ static long clone_into(long flags, void *stack_top, void (*entry)(void))
 }
 
 /* Start the judge on a thread of this process (a raw clone: no Python thread, so no GIL
- * to hand over at start, and no C library). Returns 0, or -1 (then nothing started). */
+ * to hand over at start, and no C library). Returns its thread id (it never has a child:
+ * the supervisor's look for strays skips it), or -1 (then nothing started). */
 __attribute__((visibility("default"))) int stockade_judge(int listener, int forward_fd, int record_fd,
                                                           int control, const char *cfg, int len)
 {
@@ -948,10 +952,20 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
     long tid = clone_into(THREAD_FLAGS, (void *)(area + STACK_SIZE), stockade_judge_thread);
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
-    return tid > 0 ? 0 : -1;
+    return tid > 0 ? (int)tid : -1;
 }
 
 /* -- the rules' set-up, at the supervisor's start ------------------------------------------ */
+
+/* Whether ``path`` (its last name not followed) is the root of a mount, as statx says; 0
+ * where it cannot tell (an older kernel: the path stays checked). */
+static int mount_root(const char *path)
+{
+    u64 stx[32]; /* struct statx, 256 bytes: stx_attributes at 8, stx_attributes_mask at 56 */
+    if (sc(SYS_statx, AT_FDCWD, (long)path, AT_SYMLINK_NOFOLLOW, 0, (long)stx, 0) != 0)
+        return 0;
+    return (stx[7] & STATX_ATTR_MOUNT_ROOT) && (stx[1] & STATX_ATTR_MOUNT_ROOT);
+}
 
 /* What supervisor/rules.py sets up, done in one call where this library loads (in Python, each
  * of its dozen system calls costs a call prototype or a buffer class made on first use, and
@@ -1296,6 +1310,11 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
              * by a link is replaced (and gets no rule), a link not replaced stays so. */
             if (*e != 'W' || sc(SYS_lstat, (long)(e + 1), (long)st, 0, 0, 0, 0) != 0)
                 continue; /* room checked above */
+            /* A mount's root (/tmp, /dev, /proc) is never checked again: it cannot be
+             * removed or renamed over while mounted (EBUSY), and no process here mounts or
+             * unmounts. Each check is an lstat before every command's start. */
+            if (mount_root(e + 1))
+                continue;
             memcpy(setup_inodes + setup_inodes_len, st, 16); /* st_dev, st_ino */
             memcpy(setup_inodes + setup_inodes_len + 16, e + 1, (unsigned long)n);
             setup_inodes_len += 16 + (int)n; /* the path and its NUL: n counts the letter */
