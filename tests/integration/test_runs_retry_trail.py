@@ -30,7 +30,8 @@ from stockade.sandbox.base import (
     WrapperBackend,
     WrapperInstance,
 )
-from stockade.sandbox.ops import Op, ReadFile
+from stockade.sandbox.ops import Op, ReadFile, WriteFile
+from stockade.tools.workspace_diff import BASELINE
 from tests.conftest import require_tier
 
 pytestmark = pytest.mark.process
@@ -39,16 +40,19 @@ EXAMPLE_POLICY = Path(__file__).parents[2] / "examples" / "policy.toml"
 runner = CliRunner()
 
 
-class FailsSecondRead(WrapperInstance):
+class FailsModelsRead(WrapperInstance):
     """The real sandbox, except that the model's first read of ``path`` fails as a busy host
-    would (the read before it is the run store's, keeping the starting workspace)."""
+    would: the second read of it after the run's baseline is written (before it, the run's
+    baseline hashes every file; after it, the run store reads the file first)."""
 
     def __init__(self, wrapped: Instance, path: str) -> None:
         super().__init__(wrapped)
-        self.path, self.reads = path, 0
+        self.path, self.armed, self.reads = path, False, 0
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
-        if isinstance(op, ReadFile) and op.path == self.path:
+        if isinstance(op, WriteFile) and op.path == BASELINE:
+            self.armed = True
+        elif isinstance(op, ReadFile) and op.path == self.path and self.armed:
             self.reads += 1
             if self.reads == 2:
                 raise ResourceContention("injected: the host is busy")
@@ -61,13 +65,13 @@ class FlakyBackend(WrapperBackend):
         self.path = path
 
     def start(self, spec: SandboxSpec) -> Instance:
-        return FailsSecondRead(self.wrapped.start(spec), self.path)
+        return FailsModelsRead(self.wrapped.start(spec), self.path)
 
 
 def test_a_retried_read_is_in_the_run_store_and_the_verified_audit_trail(tmp_path: Path) -> None:
     require_tier("process")
     workspace = tmp_path / "project"
-    (workspace / "build").mkdir(parents=True)  # build output: the run's baseline does not read it
+    (workspace / "build").mkdir(parents=True)
     (workspace / "build" / "log.txt").write_text("compiled 3 files\n")
     db = tmp_path / "audit.db"  # the run tables live in the audit database, as the CLI expects
     model = ScriptedModel([tool_call("read_file", {"path": "build/log.txt"}), "read it"])
