@@ -418,7 +418,8 @@ def test_a_yes_to_an_exec_shown_masked_is_spent_by_that_exec_alone(acme: Client,
     ]
     run = acme.runs.submit("clean up", scripted=turns, workspace=project)
     assert run.wait().status == "paused"
-    for request in run.refresh().info["pending_approvals"]:
+    # oldest first: the yes to the pause resumes the run, which may end before a later approve
+    for request in reversed(run.refresh().info["pending_approvals"]):
         run.approve(request["id"])
     assert run.wait().status == "success"
     diff = run.diff()
