@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from stockade.assembly import AgentConfig, build_agent
 from stockade.cli.main import app
 from stockade.models import ScriptedModel, tool_call
-from tests.conftest import require_tier
+from tests.conftest import require, require_tier
 
 POLICY = """\
 version = 1
@@ -74,8 +74,7 @@ def git_status(folder: Path) -> None:
 @pytest.mark.process
 def test_a_planted_repository_config_never_reaches_the_host(tmp_path: Path) -> None:
     require_tier("process")
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
+    require("git", shutil.which("git") is not None, "git is not installed on this host")
     workspace = tmp_path / "ws"
     (workspace / "sub").mkdir(parents=True)
     marker = tmp_path / "ran"
@@ -95,8 +94,7 @@ def test_a_planted_repository_config_never_reaches_the_host(tmp_path: Path) -> N
 @pytest.mark.process
 def test_a_seed_repository_keeps_its_own_config_but_not_a_hook_code_added(tmp_path: Path) -> None:
     require_tier("process")
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
+    require("git", shutil.which("git") is not None, "git is not installed on this host")
     workspace = tmp_path / "ws"
     workspace.mkdir()
     env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
@@ -129,8 +127,7 @@ open('a.txt', 'a').write('b\\n')
 @pytest.mark.process
 def test_hooks_planted_where_the_seeds_hooks_path_points_never_reach_the_host(tmp_path: Path) -> None:
     require_tier("process")
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
+    require("git", shutil.which("git") is not None, "git is not installed on this host")
     workspace = tmp_path / "ws"
     (workspace / ".husky/_").mkdir(parents=True)
     (workspace / ".husky/_/.gitignore").write_text("*\n")
