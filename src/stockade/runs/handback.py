@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,17 +82,48 @@ def withheld(
     keep: Callable[[str], bool] | None,
 ) -> Withheld:
     """Of ``files`` (``folders``: the copy's folders), what it leaves out; ``seed``: what the
-    run started with; ``keep``: the policy's hands_back."""
-    changed = {path for path, state in files.items() if seed.files.get(path) != state}
-    commands = (command_files(files, folders) | seed.configured.command_files(files, folders)) & changed
-    refused = {p for p in changed - commands if keep is not None and not keep(p)}
+    run started with; ``keep``: the policy's hands_back. A file's state is looked at only
+    where it decides (a command file, a path ``keep`` refuses): ``prune_folder`` hashes no other."""
+    names = list(files)
+    candidates = command_files(names, folders) | seed.configured.command_files(names, folders)
+
+    def changed(path: str) -> bool:
+        return seed.files.get(path) != files[path]
+
+    commands = {path for path in candidates if changed(path)}
+    refused = (
+        set()
+        if keep is None
+        else {path for path in names if path not in candidates and not keep(path) and changed(path)}
+    )
     return Withheld(commands=tuple(sorted(commands)), refused=tuple(sorted(refused)))
+
+
+class _FolderStates(Mapping[str, FileState]):
+    """The files of a host folder by path, each hashed when first asked for (a link is judged
+    by its name: a ``.git`` link leads elsewhere)."""
+
+    def __init__(self, root: Path, modes: dict[str, int]) -> None:
+        self.root, self.modes, self.known = root, modes, dict[str, FileState]()
+
+    def __getitem__(self, path: str) -> FileState:
+        if path not in self.known:
+            mode = self.modes[path]
+            plain = stat.S_ISREG(mode)
+            self.known[path] = FileState.of_mode(_digest(self.root / path), mode) if plain else FileState("")
+        return self.known[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.modes)
+
+    def __len__(self) -> int:
+        return len(self.modes)
 
 
 def prune_folder(root: Path, *, seed: SeedFiles, keep: Callable[[str], bool] | None) -> Withheld:
     """Remove from the host folder ``root`` (a run's workspace, downloaded) what a copy leaves
-    out; links are never followed, and a file is read only to compare it with the seed's."""
-    files: dict[str, FileState] = {}
+    out; links are never followed, and only a file whose state decides (``withheld``) is read."""
+    modes: dict[str, int] = {}
     folders: list[str] = []
     for top, dirs, names in os.walk(root):
         here = Path(top)
@@ -102,12 +133,9 @@ def prune_folder(root: Path, *, seed: SeedFiles, keep: Callable[[str], bool] | N
             path = here / name
             if path.is_dir() and not path.is_symlink():
                 folders.append(f"{prefix}{name}")
-            else:  # a link (to a folder too) is judged by its name: a `.git` link leads elsewhere
-                st = path.lstat()
-                plain = stat.S_ISREG(st.st_mode)
-                files[f"{prefix}{name}"] = (
-                    FileState.of_mode(_digest(path), st.st_mode) if plain else FileState("")
-                )
+            else:
+                modes[f"{prefix}{name}"] = path.lstat().st_mode
+    files = _FolderStates(root, modes)
     out = withheld(files, folders, seed=seed, keep=keep)
     for gone in (*out.commands, *out.refused):
         (root / gone).unlink()
